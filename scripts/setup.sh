@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Set up everything tensorplay_hpc needs, idempotently: MPI and parallel HDF5 (apt, only when
+# no MPI compiler is on PATH), a virtual environment in .venv with torch, mpi4py, numpy, the test
+# tools, and h5py built against parallel HDF5. A second run checks and returns in seconds.
+#
+# On a cluster, `module load` an MPI and a parallel HDF5 first and set HDF5_DIR to the HDF5
+# installation prefix; nothing is then installed with apt.
+set -euo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+venv="$root/.venv"
+py="$venv/bin/python"
+
+log() { printf '[setup] %s\n' "$*"; }
+
+# 1. MPI and parallel HDF5 from the system.
+if ! command -v mpicc >/dev/null 2>&1; then
+    if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+        log "no mpicc on PATH: load an MPI module (and parallel HDF5) or install Open MPI" >&2
+        exit 1
+    fi
+    log "installing Open MPI and parallel HDF5 with apt"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq openmpi-bin libopenmpi-dev libhdf5-openmpi-dev hdf5-tools >/dev/null
+fi
+
+if [ -z "${HDF5_DIR:-}" ]; then
+    for candidate in /usr/lib/x86_64-linux-gnu/hdf5/openmpi /usr/lib/aarch64-linux-gnu/hdf5/openmpi; do
+        if [ -d "$candidate" ]; then HDF5_DIR=$candidate; break; fi
+    done
+fi
+
+# 2. The virtual environment.
+if [ ! -x "$py" ]; then
+    log "creating $venv"
+    python3 -m venv "$venv"
+fi
+
+if ! "$py" -c "import torch, mpi4py, numpy, pytest, pytest_mpi, pytest_timeout" >/dev/null 2>&1; then
+    log "installing torch, mpi4py, numpy and the test tools"
+    "$py" -m pip install -q --upgrade pip
+    "$py" -m pip install -q "torch==2.13.0" "mpi4py>=4" numpy \
+        pytest pytest-mpi pytest-timeout cython pkgconfig setuptools wheel
+fi
+
+# 3. h5py against parallel HDF5 (no build isolation: it would compile another mpi4py).
+if ! "$py" -c "import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)" >/dev/null 2>&1; then
+    if [ -n "${HDF5_DIR:-}" ]; then
+        log "building h5py against parallel HDF5 in $HDF5_DIR (a few minutes the first time)"
+        CC=mpicc HDF5_MPI=ON HDF5_DIR="$HDF5_DIR" "$py" -m pip install -q \
+            --no-binary=h5py --no-build-isolation --force-reinstall --no-deps h5py
+    else
+        log "WARNING: no parallel HDF5 found (set HDF5_DIR); installing serial h5py:" \
+            "checkpoints will be written serially, rank by rank"
+        "$py" -m pip install -q h5py
+    fi
+fi
+
+# 4. The package itself, editable.
+if ! "$py" -c "import tensorplay_hpc" >/dev/null 2>&1; then
+    "$py" -m pip install -q --no-deps --no-build-isolation -e "$root"
+fi
+
+"$py" - <<'PY'
+import h5py, mpi4py, torch
+from mpi4py import MPI
+print(f"[setup] ready: torch {torch.__version__}, mpi4py {mpi4py.__version__} "
+      f"({MPI.Get_library_version().splitlines()[0].strip()}), h5py {h5py.__version__} "
+      f"parallel={h5py.get_config().mpi}")
+PY

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Set up (when needed), then run every test under mpiexec with 1, 2 and 4 ranks.
+# Extra arguments go to pytest (for example a test file or -k EXPR).
+set -euo pipefail
+here=$(dirname "${BASH_SOURCE[0]}")
+bash "$here/setup.sh"
+# shellcheck source=scripts/env.sh
+source "$here/env.sh"
+cd "$root"
+
+status=0
+for ranks in 1 2 4; do
+    echo "=== pytest under mpiexec -n $ranks ==="
+    # A whole run is bounded too, in case a rank wedges outside a test's own timeout.
+    if ! timeout 1800 "${MPIEXEC[@]}" -n "$ranks" python -m pytest --with-mpi -q "$@"; then
+        echo "=== FAILED with $ranks ranks ==="
+        status=1
+    fi
+done
+if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "=== GPU checks ==="
+    "${MPIEXEC[@]}" -n 2 python tests/gpu_check.py || status=1
+fi
+exit $status

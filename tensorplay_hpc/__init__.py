@@ -1,0 +1,1 @@
+"""tensorplay_hpc: the tensorplay.distributed.optim API on MPI."""

@@ -1,0 +1,235 @@
+"""Collectives on tensors over an mpi4py intracommunicator.
+
+Every function here is collective: each rank of ``comm`` must call it, in the same order, with
+matching sizes. Each takes ``async_op``: ``False`` completes the operation before returning,
+``True`` returns a :class:`~tensorplay_hpc.comm.work.Work` to ``wait()`` on. Messages longer than
+the chunk limit (:mod:`.chunking`) are split into several MPI calls; results are the same.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+from mpi4py import MPI
+
+from .chunking import chunk_elements, chunks
+from .dtypes import ReduceOp, reduce_dtype, reduce_op
+from .flat_buffer import pack_by_dtype_device
+from .staging import Staged
+from .work import Work, complete
+
+
+def _displacements(counts: Sequence[int]) -> List[int]:
+    displs, total = [], 0
+    for c in counts:
+        displs.append(total)
+        total += c
+    return displs
+
+
+def _check_counts(counts: Sequence[int], comm: MPI.Intracomm, total: int, what: str) -> List[int]:
+    counts = [int(c) for c in counts]
+    if len(counts) != comm.Get_size():
+        raise ValueError(f"{what}: {len(counts)} counts for a group of {comm.Get_size()} ranks "
+                         f"(rank {comm.Get_rank()})")
+    if sum(counts) != total:
+        raise ValueError(f"{what}: counts add up to {sum(counts)} but the buffer has {total} "
+                         f"elements (rank {comm.Get_rank()})")
+    return counts
+
+
+def all_reduce(tensor: torch.Tensor, comm: MPI.Intracomm, op: ReduceOp = ReduceOp.SUM,
+               async_op: bool = False) -> Optional[Work]:
+    """Reduce ``tensor`` across the group, in place, leaving the result on every rank."""
+    op = ReduceOp(op)
+    staged = Staged(tensor, reduce=True)
+    mpi_op = reduce_op(staged.work.dtype, op)
+    requests = []
+    for start, n in chunks(staged.count):
+        if async_op:
+            requests.append(comm.Iallreduce(MPI.IN_PLACE, staged.buf(start, n), mpi_op))
+        else:
+            comm.Allreduce(MPI.IN_PLACE, staged.buf(start, n), mpi_op)
+
+    def finish() -> None:
+        if op is ReduceOp.AVG:
+            staged.work.div_(comm.Get_size())
+        staged.finish()
+    return complete(requests, finish, async_op)
+
+
+def broadcast(tensor: torch.Tensor, comm: MPI.Intracomm, root: int = 0,
+              async_op: bool = False) -> Optional[Work]:
+    """Copy ``tensor`` from rank ``root`` into ``tensor`` on every other rank."""
+    staged = Staged(tensor, copy_in=comm.Get_rank() == root)
+    requests = []
+    for start, n in chunks(staged.count):
+        if async_op:
+            requests.append(comm.Ibcast(staged.buf(start, n), root))
+        else:
+            comm.Bcast(staged.buf(start, n), root)
+    return complete(requests, staged.finish, async_op)
+
+
+def all_gather_v(output: torch.Tensor, counts: Sequence[int], comm: MPI.Intracomm,
+                 input: Optional[torch.Tensor] = None, async_op: bool = False) -> Optional[Work]:
+    """Concatenate every rank's part into ``output`` (flattened), in rank order.
+
+    Rank ``r`` contributes ``counts[r]`` elements: ``input`` if given, else the elements already
+    at its own place in ``output`` (in place, no extra copy).
+    """
+    rank = comm.Get_rank()
+    counts = _check_counts(counts, comm, output.numel(), "all_gather_v")
+    displs = _displacements(counts)
+    if input is not None:
+        if input.numel() != counts[rank]:
+            raise ValueError(f"all_gather_v: rank {rank} contributes {input.numel()} elements, "
+                             f"counts say {counts[rank]}")
+        if input.dtype != output.dtype:
+            raise TypeError(f"all_gather_v: input is {input.dtype}, output {output.dtype} "
+                            f"(rank {rank})")
+    staged = Staged(output, copy_in=input is None)
+    if input is not None:
+        staged.work.view(-1)[displs[rank]:displs[rank] + counts[rank]].copy_(input.reshape(-1))
+    requests = []
+    if staged.count <= chunk_elements():
+        spec = [staged.buf()[0], (counts, displs), staged.datatype]
+        if async_op:
+            requests.append(comm.Iallgatherv(MPI.IN_PLACE, spec))
+        else:
+            comm.Allgatherv(MPI.IN_PLACE, spec)
+    else:  # too long for one call: each rank broadcasts its part, chunk by chunk
+        for owner in range(comm.Get_size()):
+            for start, n in chunks(counts[owner]):
+                buf = staged.buf(displs[owner] + start, n)
+                if async_op:
+                    requests.append(comm.Ibcast(buf, owner))
+                else:
+                    comm.Bcast(buf, owner)
+    return complete(requests, staged.finish, async_op)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, comm: MPI.Intracomm,
+               async_op: bool = False) -> Optional[Work]:
+    """Concatenate equal-sized ``input`` tensors from every rank into ``output``, in rank order."""
+    size = comm.Get_size()
+    if output.numel() != size * input.numel():
+        raise ValueError(f"all_gather: output has {output.numel()} elements, expected "
+                         f"{size} x {input.numel()} (rank {comm.Get_rank()})")
+    if output.numel() > chunk_elements() or input.dtype != output.dtype:
+        return all_gather_v(output, [input.numel()] * size, comm, input, async_op)
+    send = Staged(input)
+    recv = Staged(output, copy_in=False)
+    spec = [recv.buf()[0], input.numel(), recv.datatype]  # the count is per rank
+    requests = []
+    if async_op:
+        requests.append(comm.Iallgather(send.buf(), spec))
+    else:
+        comm.Allgather(send.buf(), spec)
+    return complete(requests, recv.finish, async_op)
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, comm: MPI.Intracomm,
+                   counts: Optional[Sequence[int]] = None, op: ReduceOp = ReduceOp.SUM,
+                   async_op: bool = False) -> Optional[Work]:
+    """Reduce ``input`` across the group and leave part ``r`` of the result in ``output`` on rank
+    ``r``. Parts have ``counts[r]`` elements (equal parts when ``counts`` is ``None``)."""
+    op = ReduceOp(op)
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if counts is None:
+        if input.numel() % size:
+            raise ValueError(f"reduce_scatter: {input.numel()} elements do not split evenly "
+                             f"over {size} ranks (rank {rank})")
+        counts = [input.numel() // size] * size
+    counts = _check_counts(counts, comm, input.numel(), "reduce_scatter")
+    if output.numel() != counts[rank]:
+        raise ValueError(f"reduce_scatter: rank {rank} output has {output.numel()} elements, "
+                         f"counts say {counts[rank]}")
+    send = Staged(input, reduce=True)
+    recv = Staged(output, reduce=True, copy_in=False)
+    mpi_op = reduce_op(send.work.dtype, op)
+    requests = []
+    if send.count <= chunk_elements():
+        if async_op:
+            requests.append(comm.Ireduce_scatter(send.buf(), recv.buf(), counts, mpi_op))
+        else:
+            comm.Reduce_scatter(send.buf(), recv.buf(), counts, mpi_op)
+    else:  # too long for one call: reduce each rank's part to it, chunk by chunk
+        displs = _displacements(counts)
+        for owner in range(size):
+            for start, n in chunks(counts[owner]):
+                target = recv.buf(start, n) if owner == rank else None
+                args = (send.buf(displs[owner] + start, n), target, mpi_op, owner)
+                if async_op:
+                    requests.append(comm.Ireduce(*args))
+                else:
+                    comm.Reduce(*args)
+
+    def finish() -> None:
+        if op is ReduceOp.AVG:
+            recv.work.div_(size)
+        recv.finish()
+    return complete(requests, finish, async_op)
+
+
+def gather(input: torch.Tensor, comm: MPI.Intracomm, root: int = 0,
+           counts: Optional[Sequence[int]] = None) -> Optional[torch.Tensor]:
+    """Concatenate every rank's flattened ``input`` on rank ``root`` only; others get ``None``.
+
+    ``counts`` (every rank's element count, the same list on all ranks) saves a small exchange
+    of sizes when the caller knows them.
+    """
+    rank = comm.Get_rank()
+    if counts is None:
+        counts = comm.allgather(input.numel())
+    counts = _check_counts(counts, comm, sum(int(c) for c in counts), "gather")
+    if input.numel() != counts[rank]:
+        raise ValueError(f"gather: rank {rank} sends {input.numel()} elements, counts say "
+                         f"{counts[rank]}")
+    displs = _displacements(counts)
+    send = Staged(input)
+    recv = None
+    if rank == root:
+        recv = Staged(torch.empty(sum(counts), dtype=input.dtype, device=input.device),
+                      copy_in=False)
+    if sum(counts) <= chunk_elements():
+        spec = [recv.buf()[0], (counts, displs), recv.datatype] if recv else None
+        comm.Gatherv(send.buf(), spec, root)
+    elif recv is None:  # too long for one call: point to point, chunk by chunk
+        for start, n in chunks(counts[rank]):
+            comm.Send(send.buf(start, n), root)
+    else:
+        recv.work[displs[rank]:displs[rank] + counts[rank]].copy_(send.work.reshape(-1))
+        for source in range(comm.Get_size()):
+            if source != root:
+                for start, n in chunks(counts[source]):
+                    comm.Recv(recv.buf(displs[source] + start, n), source)
+    return recv.finish() if recv else None
+
+
+def all_reduce_coalesced(tensors: Sequence[torch.Tensor], comm: MPI.Intracomm,
+                         op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Optional[Work]:
+    """:func:`all_reduce` of many tensors: one flat buffer and one collective per dtype and
+    device. 16-bit floats are packed straight into a float32 buffer."""
+    works, unpack = [], []
+    for indices, flat in pack_by_dtype_device(tensors, reduce_dtype).values():
+        work = all_reduce(flat.buffer, comm, op, async_op)
+        if work is not None:
+            works.append(work)
+        unpack.append((flat, [tensors[i] for i in indices]))
+
+    def finish() -> None:
+        for flat, targets in unpack:
+            flat.copy_to(targets)
+    work = Work.all_of(works, finish)
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def broadcast_coalesced(tensors: Sequence[torch.Tensor], comm: MPI.Intracomm, root: int = 0) -> None:
+    """:func:`broadcast` of many tensors: one flat buffer and one collective per dtype and device."""
+    for indices, flat in pack_by_dtype_device(tensors).values():
+        broadcast(flat.buffer, comm, root)
+        flat.copy_to([tensors[i] for i in indices])

@@ -1,0 +1,82 @@
+"""How each torch dtype travels through MPI: the datatype for moving it and for reducing it.
+
+MPI has no bfloat16 or float16, so those move as raw 16-bit words and are reduced in float32.
+Booleans reduce with logical operations (sum and max are "or", min and product are "and").
+"""
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+from mpi4py import MPI
+
+
+class ReduceOp(Enum):
+    """Reductions with torch.distributed's names. ``AVG`` is a sum divided by the group size."""
+
+    SUM = "sum"
+    AVG = "avg"
+    PRODUCT = "product"
+    MIN = "min"
+    MAX = "max"
+
+
+_NATIVE = {
+    torch.float64: MPI.DOUBLE,
+    torch.float32: MPI.FLOAT,
+    torch.int64: MPI.INT64_T,
+    torch.int32: MPI.INT32_T,
+    torch.int16: MPI.INT16_T,
+    torch.int8: MPI.INT8_T,
+    torch.uint8: MPI.UINT8_T,
+    torch.bool: MPI.C_BOOL,
+    torch.complex64: MPI.C_FLOAT_COMPLEX,
+    torch.complex128: MPI.C_DOUBLE_COMPLEX,
+}
+_HALF = (torch.float16, torch.bfloat16)
+
+_ARITHMETIC = {
+    ReduceOp.SUM: MPI.SUM,
+    ReduceOp.AVG: MPI.SUM,
+    ReduceOp.PRODUCT: MPI.PROD,
+    ReduceOp.MIN: MPI.MIN,
+    ReduceOp.MAX: MPI.MAX,
+}
+_LOGICAL = {
+    ReduceOp.SUM: MPI.LOR,
+    ReduceOp.MAX: MPI.LOR,
+    ReduceOp.PRODUCT: MPI.LAND,
+    ReduceOp.MIN: MPI.LAND,
+}
+
+
+def move_datatype(dtype: torch.dtype) -> MPI.Datatype:
+    """The MPI datatype that carries ``dtype`` unchanged (broadcast, gather: no arithmetic)."""
+    if dtype in _HALF:
+        return MPI.UINT16_T
+    try:
+        return _NATIVE[dtype]
+    except KeyError:
+        raise TypeError(f"tensors of dtype {dtype} cannot be communicated") from None
+
+
+def reduce_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a reduction of ``dtype`` is computed in (float32 for the 16-bit floats)."""
+    if dtype in _HALF:
+        return torch.float32
+    move_datatype(dtype)
+    return dtype
+
+
+def reduce_op(dtype: torch.dtype, op: ReduceOp) -> MPI.Op:
+    """The MPI operation for reducing tensors of ``dtype`` (already in :func:`reduce_dtype`)."""
+    op = ReduceOp(op)
+    if dtype == torch.bool:
+        if op is ReduceOp.AVG:
+            raise TypeError("ReduceOp.AVG is not defined for bool tensors")
+        return _LOGICAL[op]
+    if op is ReduceOp.AVG and not (dtype.is_floating_point or dtype.is_complex):
+        raise TypeError(f"ReduceOp.AVG needs a floating point tensor, got {dtype}")
+    if dtype.is_complex and op in (ReduceOp.MIN, ReduceOp.MAX):
+        raise TypeError(f"{op.name} is not defined for complex tensors")
+    return _ARITHMETIC[op]

@@ -1,0 +1,56 @@
+"""Handles of nonblocking operations."""
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence
+
+from mpi4py import MPI
+
+
+class Work:
+    """A nonblocking operation in flight: MPI requests, then local work once they complete
+    (copying staged buffers back, dividing an average). Like torch.distributed's ``Work``."""
+
+    def __init__(self, requests: Sequence[MPI.Request] = (),
+                 then: Optional[Callable[[], object]] = None) -> None:
+        self._requests: List[MPI.Request] = list(requests)
+        self._then = then
+        self._done = False
+
+    def _complete(self) -> None:
+        self._done = True
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
+
+    def wait(self) -> bool:
+        """Block until the operation has completed and its results are in place."""
+        if not self._done:
+            MPI.Request.Waitall(self._requests)
+            self._complete()
+        return True
+
+    def is_completed(self) -> bool:
+        """Test for completion without blocking (and let MPI progress meanwhile)."""
+        if not self._done and MPI.Request.Testall(self._requests):
+            self._complete()
+        return self._done
+
+    @classmethod
+    def all_of(cls, works: Sequence["Work"], then: Optional[Callable[[], object]] = None) -> "Work":
+        """One handle that completes when every one of ``works`` has."""
+        def finish() -> None:
+            for work in works:
+                work.wait()
+            if then is not None:
+                then()
+        requests = [r for work in works for r in work._requests]
+        return cls(requests, finish)
+
+
+def complete(requests: List[MPI.Request], then: Callable[[], object], async_op: bool) -> Optional[Work]:
+    """Return a handle for an asynchronous call, or finish a blocking one now."""
+    work = Work(requests, then)
+    if async_op:
+        return work
+    work.wait()
+    return None

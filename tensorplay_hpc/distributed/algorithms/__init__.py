@@ -1,0 +1,1 @@
+"""Algorithms on top of the communication layer: model averaging, joining uneven inputs."""

@@ -1,0 +1,1 @@
+"""Model averaging: ``averagers``, ``hierarchical_model_averager`` and ``utils``."""

@@ -1,0 +1,44 @@
+"""Test harness under mpiexec: rank 0 reports; a failure on any rank aborts the whole job at
+once (no rank is left waiting in a collective); a test stuck past its timeout kills its process,
+which makes mpiexec end the job."""
+import sys
+
+import pytest
+import torch
+from mpi4py import MPI
+
+from tensorplay_hpc.bench.gloo import init_gloo
+
+WORLD = MPI.COMM_WORLD
+
+
+def pytest_configure(config):
+    if WORLD.Get_rank() != 0:
+        config.option.verbose = -2
+        config.option.reportchars = ""
+
+
+def pytest_runtest_logreport(report):
+    if report.failed and WORLD.Get_size() > 1:
+        sys.stderr.write(f"\n=== rank {WORLD.Get_rank()}: {report.nodeid} failed ({report.when}) ===\n"
+                         f"{report.longreprtext}\n")
+        sys.stderr.flush()
+        WORLD.Abort(1)
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    torch.manual_seed(1234)
+
+
+@pytest.fixture
+def world():
+    return WORLD
+
+
+@pytest.fixture(scope="session")
+def gloo():
+    """torch.distributed over gloo on the same ranks, for side-by-side parity checks."""
+    import torch.distributed as dist
+    init_gloo(WORLD)
+    return dist
