@@ -58,14 +58,15 @@ if ! "$py" -c "import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)" >/
 fi
 
 # 4. The package itself, editable.
-if ! "$py" -c "import tensorplay_hpc" >/dev/null 2>&1; then
+if ! (cd / && "$py" -c "import tensorplay_hpc") >/dev/null 2>&1; then
     "$py" -m pip install -q --no-deps --no-build-isolation -e "$root"
 fi
 
 "$py" - <<'PY'
 import h5py, mpi4py, torch
 from mpi4py import MPI
+library = MPI.Get_library_version().replace("\0", "").splitlines()[0].strip()
 print(f"[setup] ready: torch {torch.__version__}, mpi4py {mpi4py.__version__} "
-      f"({MPI.Get_library_version().splitlines()[0].strip()}), h5py {h5py.__version__} "
+      f"({library}), h5py {h5py.__version__} "
       f"parallel={h5py.get_config().mpi}")
 PY

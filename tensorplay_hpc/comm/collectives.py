@@ -126,7 +126,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, comm: MPI.Intracomm,
         requests.append(comm.Iallgather(send.buf(), spec))
     else:
         comm.Allgather(send.buf(), spec)
-    return complete(requests, recv.finish, async_op)
+    return complete(requests, recv.finish, async_op, keep=[send])
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, comm: MPI.Intracomm,
@@ -169,7 +169,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, comm: MPI.Intracom
         if op is ReduceOp.AVG:
             recv.work.div_(size)
         recv.finish()
-    return complete(requests, finish, async_op)
+    return complete(requests, finish, async_op, keep=[send])
 
 
 def gather(input: torch.Tensor, comm: MPI.Intracomm, root: int = 0,

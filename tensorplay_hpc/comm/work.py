@@ -11,13 +11,15 @@ class Work:
     (copying staged buffers back, dividing an average). Like torch.distributed's ``Work``."""
 
     def __init__(self, requests: Sequence[MPI.Request] = (),
-                 then: Optional[Callable[[], object]] = None) -> None:
+                 then: Optional[Callable[[], object]] = None, keep: Sequence[object] = ()) -> None:
         self._requests: List[MPI.Request] = list(requests)
         self._then = then
+        self._keep = list(keep)   # buffers MPI may still read: alive until completion
         self._done = False
 
     def _complete(self) -> None:
         self._done = True
+        self._keep = []
         if self._then is not None:
             then, self._then = self._then, None
             then()
@@ -47,9 +49,11 @@ class Work:
         return cls(requests, finish)
 
 
-def complete(requests: List[MPI.Request], then: Callable[[], object], async_op: bool) -> Optional[Work]:
-    """Return a handle for an asynchronous call, or finish a blocking one now."""
-    work = Work(requests, then)
+def complete(requests: List[MPI.Request], then: Callable[[], object], async_op: bool,
+             keep: Sequence[object] = ()) -> Optional[Work]:
+    """Return a handle for an asynchronous call, or finish a blocking one now. ``keep`` holds
+    the buffers that MPI reads until the requests complete."""
+    work = Work(requests, then, keep)
     if async_op:
         return work
     work.wait()
