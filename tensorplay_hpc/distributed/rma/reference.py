@@ -1,0 +1,60 @@
+"""Remote references: a handle on one tensor that a rank exposes in an MPI window."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Tuple
+
+import torch
+
+from tensorplay_hpc.distributed import autograd
+
+if TYPE_CHECKING:
+    from .shared import SharedTensors
+
+
+class RemoteRef:
+    """Reference to tensor ``index`` of rank ``owner`` in a :class:`SharedTensors`.
+
+    Like ``torch.distributed.rpc.RRef``, but the owner never serves requests: readers fetch the
+    value with one-sided ``MPI.Win.Get`` under a shared lock, so they never see a half-written
+    update (updates hold the exclusive lock).
+    """
+
+    def __init__(self, shared: "SharedTensors", owner: int, index: int,
+                 shape: Tuple[int, ...], dtype: torch.dtype) -> None:
+        self.shared = shared
+        self.index = index
+        self.shape = torch.Size(shape)
+        self.dtype = dtype
+        self._owner = owner
+
+    def owner(self) -> int:
+        """The owner's rank in the group the tensors were shared over."""
+        return self._owner
+
+    def is_owner(self) -> bool:
+        """Whether this rank owns the tensor."""
+        return self._owner == self.shared.rank
+
+    def local_value(self) -> torch.Tensor:
+        """The owner's tensor itself (its memory is the window). Only on the owner.
+
+        Reading it takes no lock: an update by another rank may be in progress. Use
+        :meth:`to_here` for a consistent snapshot.
+        """
+        if not self.is_owner():
+            raise RuntimeError(f"local_value() of {self} called on rank {self.shared.rank}, "
+                               "which does not own it; use to_here()")
+        return self.shared.local_tensor(self.index)
+
+    def to_here(self) -> torch.Tensor:
+        """A local copy of the current value, fetched with ``MPI.Win.Get``. Not collective.
+
+        Inside :func:`tensorplay_hpc.distributed.autograd.context` the copy is a leaf that
+        requires grad, and :func:`~tensorplay_hpc.distributed.autograd.backward` sends its
+        gradient to the owner.
+        """
+        return autograd.record(self, self.shared.fetch(self))
+
+    def __repr__(self) -> str:
+        return (f"RemoteRef(owner={self._owner}, index={self.index}, shape={tuple(self.shape)}, "
+                f"dtype={self.dtype})")

@@ -1,0 +1,174 @@
+"""Tensors exposed in MPI windows: :func:`share` and the :class:`SharedTensors` it returns."""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from mpi4py import MPI
+
+from tensorplay_hpc import comm
+from tensorplay_hpc.comm.dtypes import move_datatype, reduce_dtype
+
+from .layout import Layout
+from .progress import ProgressThread
+from .reference import RemoteRef
+from .window import Window
+
+
+class SharedTensors:
+    """The tensors of every rank of a group, each in its owner's window memory.
+
+    Two windows hold them. The *values* window holds each rank's tensors; the owner's tensors
+    are re-pointed (``tensor.data``) at it, so the owner keeps using the same tensor objects.
+    The *gradients* window holds, on each owner, one gradient slot per rank of the group (in
+    :func:`~tensorplay_hpc.comm.dtypes.reduce_dtype`, float32 for 16-bit floats): a trainer only
+    accumulates into its own slot, so trainers never clobber each other.
+
+    Attributes:
+        refs: all references, flat, in rank order (rank 0's tensors first).
+        rank, size: this rank and the size of the group.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor], process_group: Optional[MPI.Comm],
+                 progress_thread: bool) -> None:
+        self._group = comm.ProcessGroup(process_group)
+        self.rank, self.size = self._group.rank, self._group.size
+        self._tensors = list(tensors)
+        for i, tensor in enumerate(self._tensors):
+            if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
+                raise TypeError(f"rma.share: tensor {i} on rank {self.rank} must be a CPU "
+                                f"torch.Tensor, got {_describe(tensor)}")
+            move_datatype(tensor.dtype)
+        if len({id(t) for t in self._tensors}) != len(self._tensors):
+            raise ValueError(f"rma.share: rank {self.rank} lists the same tensor twice")
+        specs = [(tuple(t.shape), t.dtype) for t in self._tensors]
+        all_specs = self._group.comm.allgather(specs)
+        self._value_layouts = [Layout(s) for s in all_specs]
+        self._grad_layouts = [Layout([(shape, reduce_dtype(dtype)) for shape, dtype in s])
+                              for s in all_specs]
+        self.values = Window(self._group.comm, self._value_layouts[self.rank].nbytes)
+        self.gradients = Window(self._group.comm,
+                                self._grad_layouts[self.rank].nbytes * self.size)
+        with torch.no_grad():
+            for i, tensor in enumerate(self._tensors):
+                view = self.values.view(self._value_layouts[self.rank].offsets[i], *specs[i])
+                view.copy_(tensor)
+                tensor.data = view
+        self._by_rank: List[List[RemoteRef]] = [
+            [RemoteRef(self, owner, i, shape, dtype) for i, (shape, dtype) in enumerate(s)]
+            for owner, s in enumerate(all_specs)]
+        self.refs: List[RemoteRef] = [ref for refs in self._by_rank for ref in refs]
+        self._progress = ProgressThread() if progress_thread else None
+        self._group.comm.Barrier()  # every owner's values are in place before anyone reads
+
+    @property
+    def communicator(self) -> MPI.Intracomm:
+        """The private communicator the windows were made on."""
+        return self._group.comm
+
+    def refs_of(self, rank: int) -> List[RemoteRef]:
+        """The references to the tensors rank ``rank`` shared, in its order."""
+        return list(self._by_rank[rank])
+
+    def local_tensor(self, index: int) -> torch.Tensor:
+        """This rank's own tensor ``index`` (window memory)."""
+        return self._tensors[index]
+
+    def value_offset(self, ref: RemoteRef) -> int:
+        """Byte offset of ``ref``'s value in its owner's part of the values window."""
+        return self._value_layouts[ref.owner()].offsets[ref.index]
+
+    def gradient_offset(self, ref: RemoteRef, trainer: int) -> int:
+        """Byte offset of ``ref``'s gradient in ``trainer``'s slot on its owner."""
+        layout = self._grad_layouts[ref.owner()]
+        return trainer * layout.nbytes + layout.offsets[ref.index]
+
+    def fetch(self, ref: RemoteRef) -> torch.Tensor:
+        """A copy of ``ref``'s current value, read under a shared lock. Not collective."""
+        out = torch.empty(ref.shape, dtype=ref.dtype)
+        with self.values.locked(ref.owner()):
+            self.values.get(out, ref.owner(), self.value_offset(ref))
+        return out
+
+    def accumulate_gradients(self, gradients: Dict[RemoteRef, torch.Tensor],
+                             fresh: Iterable[RemoteRef]) -> None:
+        """Add ``gradients`` into this rank's slot on their owners with ``MPI.SUM``; those of
+        ``fresh`` refs replace the slot's stale contents instead. Not collective."""
+        fresh = set(fresh)
+        for owner, refs in _by_owner(gradients).items():
+            with self.gradients.locked(owner):
+                kept = []  # alive until the epoch ends
+                for ref in refs:
+                    grad = gradients[ref].detach().to(reduce_dtype(ref.dtype)).contiguous()
+                    kept.append(grad)
+                    self.gradients.accumulate(grad, owner, self.gradient_offset(ref, self.rank),
+                                              MPI.REPLACE if ref in fresh else MPI.SUM)
+
+    def fetch_gradients(self, refs: Iterable[RemoteRef]) -> Dict[RemoteRef, torch.Tensor]:
+        """This rank's accumulated gradients of ``refs``, in their dtype. Not collective."""
+        out = {}
+        for owner, group in _by_owner(refs).items():
+            with self.gradients.locked(owner):
+                for ref in group:
+                    out[ref] = self.get_gradient(ref)
+        return {ref: grad.to(ref.dtype) for ref, grad in out.items()}
+
+    def get_gradient(self, ref: RemoteRef) -> torch.Tensor:
+        """Start reading this rank's gradient of ``ref``, in the reduction dtype; it is there
+        once the caller's epoch on the gradients window ends (or is flushed)."""
+        grad = torch.empty(ref.shape, dtype=reduce_dtype(ref.dtype))
+        self.gradients.get(grad, ref.owner(), self.gradient_offset(ref, self.rank))
+        return grad
+
+    def close(self) -> None:
+        """Free the windows. Collective. The owner's tensors get their own memory back, with
+        their last values, so they remain usable."""
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+        with torch.no_grad():
+            for tensor in self._tensors:
+                tensor.data = tensor.data.clone()
+        self.values.free()
+        self.gradients.free()
+        self._group.close()
+
+    def __enter__(self) -> "SharedTensors":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def share(tensors: Iterable[torch.Tensor], process_group: Optional[MPI.Comm] = None,
+          progress_thread: bool = False) -> SharedTensors:
+    """Expose this rank's ``tensors`` (possibly none) to the group in MPI windows. Collective.
+
+    Args:
+        tensors: CPU tensors this rank owns; afterwards they live in window memory (the same
+            tensor objects, re-pointed), so the owner keeps reading them locally.
+        process_group: an mpi4py intracommunicator; ``None`` is ``MPI.COMM_WORLD``.
+        progress_thread: run a :class:`~.progress.ProgressThread` on this rank, for transports
+            whose one-sided operations need the target to enter MPI (not Open MPI on one node).
+
+    Returns:
+        A :class:`SharedTensors`: ``.refs`` is the flat list of references to every rank's
+        tensors in rank order, ``.refs_of(rank)`` one rank's. ``close()`` it (collective), or use
+        it as a context manager.
+    """
+    return SharedTensors(list(tensors), process_group, progress_thread)
+
+
+def _by_owner(refs: Iterable[RemoteRef]) -> Dict[int, List[RemoteRef]]:
+    """``refs`` grouped by owner, owners in ascending order (a fixed lock order)."""
+    groups: Dict[int, List[RemoteRef]] = defaultdict(list)
+    for ref in refs:
+        groups[ref.owner()].append(ref)
+    return dict(sorted(groups.items()))
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor on {value.device}"
+    return type(value).__name__
