@@ -1,0 +1,395 @@
+"""ZeroRedundancyOptimizer: an optimizer whose state is sharded over the ranks of a group (ZeRO).
+
+Each rank keeps a local optimizer (any ``torch.optim.Optimizer`` class) for the parameters it
+owns, about ``1 / world_size`` of them, chosen by the sorted-greedy :class:`~.partition.Partition`
+that PyTorch uses, so shards and checkpoints line up with PyTorch's. After the local step every
+rank receives every updated parameter through one in-place ``all_gather_v`` per dtype and device
+(parameters laid out rank by rank in a flat buffer, see :mod:`.shard_buffer`), not one broadcast
+per parameter.
+
+Where this differs from PyTorch's class:
+
+- parameters of different dtypes (float32 beside bfloat16) work, with bucket views too;
+- without ``parameters_as_bucket_view`` the sync still moves one flat buffer per dtype: a
+  persistent staging buffer the size of the trainable parameters of that dtype is kept;
+- :meth:`ZeroRedundancyOptimizer.consolidate_state_dict` gathers flat state buffers on the
+  target rank only (one gather per dtype, see :mod:`.state_gather`), keeping them on the host;
+- :meth:`ZeroRedundancyOptimizer.load_state_dict` leaves the caller's dict untouched (its tensors
+  are copied, never aliased) and accepts a state dict of a plain ``torch.optim`` optimizer or
+  one consolidated at any world size;
+- :attr:`state` shows this rank's shard of the state (other parameters read as empty);
+- the join hook steps without announcing itself again, so ZeRO works alone in a :class:`Join`.
+
+Internal API, for checkpointing (stable within this package):
+
+- ``zero.partition`` (:class:`~.partition.Partition`): ``partition.rank_of[i]`` is the rank
+  owning the parameter of global index ``i`` (the ``state_dict`` numbering);
+  ``partition.groups[g][r]`` lists the global indices rank ``r`` owns in param group ``g``;
+- ``zero.params_by_index``: the parameters, by global index;
+- ``zero.local_state_by_index()``: this rank's local optimizer state as
+  ``{global index: {key: value}}`` (live objects, not copies).
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from itertools import chain
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Type
+
+import torch
+from mpi4py import MPI
+from torch.optim import Optimizer
+
+from tensorplay_hpc import comm
+from tensorplay_hpc.distributed.algorithms.join import Join, Joinable, JoinHook
+
+from .partition import Partition
+from .shard_buffer import ShardBuffer
+from .state_gather import gather_state
+
+__all__ = ["ZeroRedundancyOptimizer"]
+
+# Group entries that describe the parameters rather than how to optimize them.
+_NOT_HYPERPARAMETERS = ("params", "param_names")
+
+
+def _typename(value: Any) -> str:
+    return torch.typename(value) if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def _check_dense_tensors(params: Iterable[Any], rank: int) -> None:
+    for position, param in enumerate(params):
+        if not isinstance(param, torch.Tensor):
+            raise TypeError(f"ZeroRedundancyOptimizer can only optimize tensors, but parameter "
+                            f"{position} is a {_typename(param)} (rank {rank})")
+        if param.layout != torch.strided:
+            raise ValueError(f"ZeroRedundancyOptimizer only supports dense parameters, but "
+                             f"parameter {position} is {param.layout} (rank {rank})")
+
+
+def _param_groups(params: Any, rank: int) -> List[Dict[str, Any]]:
+    """Check ``params`` as PyTorch's class does and return new param-group dicts with lists."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError("params should be an iterable of tensors or of param-group dicts, but "
+                        f"got a single {torch.typename(params)} (rank {rank})")
+    try:
+        items = list(params)
+    except TypeError:
+        raise TypeError("params should be an iterable of tensors or of param-group dicts, but "
+                        f"got {_typename(params)} (rank {rank})") from None
+    if not items:
+        raise ValueError(f"ZeroRedundancyOptimizer got an empty parameter list (rank {rank})")
+    if not all(isinstance(item, dict) for item in items):
+        groups = [{"params": items}]
+    else:
+        groups = []
+        for position, group in enumerate(items):
+            if "params" not in group:
+                raise ValueError(f"param group {position} has no 'params' key (rank {rank})")
+            group_params = group["params"]
+            if isinstance(group_params, set):
+                raise TypeError(f"param group {position} holds a set, whose order differs "
+                                f"between processes; use a list (rank {rank})")
+            if isinstance(group_params, torch.Tensor):
+                group_params = [group_params]
+            groups.append({**group, "params": list(group_params)})
+    for group in groups:
+        _check_dense_tensors(group["params"], rank)
+    return groups
+
+
+def _copy_hyperparameters(sources: List[dict], targets: List[dict]) -> None:
+    for source, target in zip(sources, targets):
+        for key, value in source.items():
+            if key not in _NOT_HYPERPARAMETERS:
+                target[key] = value
+
+
+def _copied(value: Any, device: torch.device) -> Any:
+    """A copy of a state value that shares no memory with it (tensors on ``device``)."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0:
+            return value.clone()
+        return value.to(device, copy=True)
+    return copy.deepcopy(value)
+
+
+class _ShardState(Mapping):
+    """This rank's local optimizer state, keyed by parameter; others' parameters read as ``{}``."""
+
+    def __init__(self, local: Mapping) -> None:
+        self._local = local
+
+    def __getitem__(self, param: torch.Tensor) -> Dict[Any, Any]:
+        return self._local[param] if param in self._local else {}
+
+    def __contains__(self, param: object) -> bool:
+        return param in self._local
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self._local)
+
+    def __len__(self) -> int:
+        return len(self._local)
+
+
+class _ZeROJoinHook(JoinHook):
+    """Steps a rank that ran out of inputs, so its shard is updated and sent as usual."""
+
+    def __init__(self, zero: "ZeroRedundancyOptimizer") -> None:
+        self.zero = zero
+
+    def main_hook(self) -> None:
+        self.zero._step(None, notify=False)
+
+
+class ZeroRedundancyOptimizer(Optimizer, Joinable):
+    """Wrap an optimizer class and shard its state over the ranks of a group (ZeRO).
+
+    Constructing it is collective over the group. Every rank must pass the same parameters in
+    the same order.
+
+    Args:
+        params: an iterable (a generator too) of tensors, or of param-group dicts.
+        optimizer_class: the ``torch.optim.Optimizer`` subclass of the local optimizers.
+        process_group: an mpi4py intracommunicator; ``None`` is ``MPI.COMM_WORLD``.
+        parameters_as_bucket_view: make the parameters views into one flat buffer per dtype and
+            device (their ``.data`` is replaced), so the sync after a step copies nothing.
+        overlap_with_ddp: not supported yet (raises ``NotImplementedError``).
+        **defaults: hyperparameters passed to the local optimizers.
+
+    Raises:
+        TypeError: ``params`` is a single tensor, not iterable, or holds something else than
+            tensors or param-group dicts.
+        ValueError: ``params`` is empty, a group lacks ``'params'``, or a parameter is sparse.
+    """
+
+    def __init__(self, params: Any, optimizer_class: Type[Optimizer],
+                 process_group: Optional[MPI.Intracomm] = None,
+                 parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False,
+                 **defaults: Any) -> None:
+        parent = comm.resolve(process_group)
+        caller_rank = (parent.Get_rank() if parent != MPI.COMM_NULL
+                       else MPI.COMM_WORLD.Get_rank())
+        groups = _param_groups(params, caller_rank)
+        if overlap_with_ddp:
+            raise NotImplementedError(
+                "ZeroRedundancyOptimizer(overlap_with_ddp=True) is not supported yet: step the "
+                "optimizer after backward() instead (overlap_with_ddp=False)")
+        self._initialized = False
+        Optimizer.__init__(self, groups, defaults)
+        Joinable.__init__(self)
+        self.process_group = parent
+        self._group = comm.ProcessGroup(parent)
+        self.rank: int = self._group.rank
+        self.world_size: int = self._group.size
+        self.parameters_as_bucket_view = parameters_as_bucket_view
+        self._overlap_with_ddp = overlap_with_ddp
+        self.params_by_index: List[torch.Tensor] = list(
+            chain.from_iterable(g["params"] for g in self.param_groups))
+        self._index_of = {param: index for index, param in enumerate(self.params_by_index)}
+        self.partition = Partition([[p.numel() for p in g["params"]] for g in self.param_groups],
+                                   self.world_size)
+        self.optim: Optimizer = optimizer_class(
+            [self._local_group(g) for g in range(len(self.param_groups))], **defaults)
+        _copy_hyperparameters(self.optim.param_groups, self.param_groups)
+        self.state = _ShardState(self.optim.state)
+        self._trainable = self._trainable_mask()
+        self._buffers: List[ShardBuffer] = []
+        self._build_buffers()
+        self._consolidated: Optional[Dict[int, Dict[Any, Any]]] = None
+        self._initialized = True
+
+    # -- partition and buffers -------------------------------------------------------------
+
+    def _local_group(self, g: int) -> Dict[str, Any]:
+        group = self.param_groups[g]
+        local = {k: v for k, v in group.items() if k not in _NOT_HYPERPARAMETERS}
+        local["params"] = [self.params_by_index[i] for i in self.partition.groups[g][self.rank]]
+        return local
+
+    def _trainable_mask(self) -> List[bool]:
+        return [param.requires_grad for param in self.params_by_index]
+
+    def _build_buffers(self) -> None:
+        """One :class:`ShardBuffer` per dtype and device of the trainable parameters."""
+        for buffer in self._buffers:
+            buffer.release()
+        per_key: Dict[tuple, List[List[torch.Tensor]]] = {}
+        for param in self.params_by_index:
+            if param.requires_grad:
+                per_key.setdefault((param.dtype, param.device),
+                                   [[] for _ in range(self.world_size)])
+        for rank in range(self.world_size):
+            for index in chain.from_iterable(self.partition.owned(rank)):
+                param = self.params_by_index[index]
+                if param.requires_grad:
+                    per_key[(param.dtype, param.device)][rank].append(param)
+        self._buffers = [ShardBuffer(params_per_rank, self.rank, self.parameters_as_bucket_view)
+                         for params_per_rank in per_key.values()]
+
+    def _sync_params(self) -> None:
+        """Every rank gets every rank's updated shard. Collective."""
+        started = [(buffer, buffer.start_sync(self._group.comm)) for buffer in self._buffers]
+        for buffer, work in started:
+            buffer.finish_sync(work)
+
+    # -- the optimizer API -----------------------------------------------------------------
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Add a param group; its parameters are partitioned after the existing ones (which
+        stay where they are). Collective: call it on every rank with the same group."""
+        super().add_param_group(param_group)
+        if not self._initialized:
+            return
+        new_params = self.param_groups[-1]["params"]
+        try:
+            _check_dense_tensors(new_params, self.rank)
+        except ValueError:
+            self.param_groups.pop()
+            raise
+        for param in new_params:
+            self._index_of[param] = len(self.params_by_index)
+            self.params_by_index.append(param)
+        self.partition.add_group([p.numel() for p in new_params])
+        self.optim.add_param_group(self._local_group(len(self.param_groups) - 1))
+        _copy_hyperparameters(self.optim.param_groups[-1:], self.param_groups[-1:])
+        self._trainable = self._trainable_mask()
+        self._build_buffers()
+
+    def step(self, closure: Optional[Callable[[], float]] = None, **kwargs: Any) -> Optional[float]:
+        """Step this rank's shard with the local optimizer, then give every rank every updated
+        parameter. Collective.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (optional for most optimizers).
+            **kwargs: passed to the local optimizer's ``step``.
+
+        Returns:
+            The loss the local optimizer returns, if any.
+        """
+        return self._step(closure, notify=True, **kwargs)
+
+    def _step(self, closure: Optional[Callable[[], float]], notify: bool,
+              **kwargs: Any) -> Optional[float]:
+        if notify:
+            Join.notify_join_context(self)
+        trainable = self._trainable_mask()
+        if trainable != self._trainable:
+            self._trainable = trainable
+            self._build_buffers()
+        _copy_hyperparameters(self.param_groups, self.optim.param_groups)
+        if closure is None:
+            loss = self.optim.step(**kwargs)
+        else:
+            loss = self.optim.step(closure=closure, **kwargs)
+        _copy_hyperparameters(self.optim.param_groups, self.param_groups)
+        self._sync_params()
+        return loss
+
+    def local_state_by_index(self) -> Dict[int, Dict[Any, Any]]:
+        """This rank's local optimizer state keyed by global parameter index (live, not copied)."""
+        return {self._index_of[param]: state for param, state in self.optim.state.items()}
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather the whole optimizer state on rank ``to`` (on the host), for :meth:`state_dict`.
+
+        Collective. The other ranks drop any state consolidated before.
+        """
+        if not 0 <= to < self.world_size:
+            raise ValueError(f"consolidate_state_dict: to={to} is not a rank of this group of "
+                             f"{self.world_size} (rank {self.rank})")
+        _copy_hyperparameters(self.param_groups, self.optim.param_groups)
+        self._consolidated = None
+        self._consolidated = gather_state(self.local_state_by_index(), self._group.comm, to)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The state last consolidated on this rank, in ``torch.optim.Optimizer.state_dict``'s
+        structure with global parameter indices. Not collective.
+
+        Raises:
+            RuntimeError: no :meth:`consolidate_state_dict` to this rank came before.
+        """
+        if self._consolidated is None:
+            raise RuntimeError(
+                f"The optimizer state has not been consolidated on rank {self.rank}: call "
+                f"consolidate_state_dict(to={self.rank}) on all ranks first, then state_dict() "
+                f"on rank {self.rank}.")
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        groups, first = [], 0
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = list(range(first, first + len(group["params"])))
+            first += len(group["params"])
+            groups.append(packed)
+        state = {index: dict(self._consolidated[index]) for index in sorted(self._consolidated)}
+        state_dict = {"state": state, "param_groups": groups}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load this rank's part of a whole optimizer state: one consolidated by this class at any
+        world size, or a plain ``torch.optim`` optimizer's. Not collective. The caller's dict is
+        neither modified nor shared: the tensors this rank keeps are copies.
+
+        Raises:
+            ValueError: the numbers of groups, or of parameters in a group, differ.
+        """
+        state_dict = dict(state_dict)
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, the "
+                             f"optimizer {len(self.param_groups)} (rank {self.rank})")
+        for g, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(f"loaded state dict's parameter group {g} has "
+                                 f"{len(saved['params'])} parameters, the optimizer's "
+                                 f"{len(group['params'])} (rank {self.rank})")
+        saved_ids = list(chain.from_iterable(g["params"] for g in saved_groups))
+        saved_state = state_dict["state"]
+        local_state, local_groups, local_id = {}, [], 0
+        for saved, owned in zip(saved_groups, self.partition.owned(self.rank)):
+            local = {k: copy.deepcopy(v) for k, v in saved.items() if k not in _NOT_HYPERPARAMETERS}
+            local["params"] = list(range(local_id, local_id + len(owned)))
+            local_groups.append(local)
+            for index in owned:
+                if saved_ids[index] in saved_state:
+                    device = self.params_by_index[index].device
+                    local_state[local_id] = {key: _copied(value, device) for key, value
+                                             in saved_state[saved_ids[index]].items()}
+                local_id += 1
+        self.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
+        for saved, group in zip(saved_groups, self.param_groups):
+            group.update({k: copy.deepcopy(v) for k, v in saved.items() if k != "params"})
+        _copy_hyperparameters(self.optim.param_groups, self.param_groups)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    # -- uneven inputs ---------------------------------------------------------------------
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The hook that lets a rank out of inputs keep stepping (and syncing) its shard.
+
+        Gradients must be set properly (e.g. by a data-parallel wrapper's own join hook, which
+        must come before this optimizer in the :class:`Join`) before it runs. No keyword
+        arguments are used.
+        """
+        return _ZeROJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        """The device of the first parameter."""
+        return self.params_by_index[0].device
+
+    @property
+    def join_process_group(self) -> MPI.Intracomm:
+        """The process group this optimizer was built on."""
+        return self.process_group
