@@ -1,0 +1,37 @@
+"""A private duplicate cached on a user's communicator, for functions that take a process group
+on every call (``average_parameters``, communication hooks) and must not ``Dup`` each time.
+
+The duplicate is stored as an MPI attribute of the user's communicator (the standard MPI idiom
+for library state): it is made on first use and released when the user frees the communicator.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from mpi4py import MPI
+
+from .group import ProcessGroup, resolve
+
+
+def _release(comm: MPI.Comm, keyval: int, group: ProcessGroup) -> None:
+    # The user's communicator is being freed: drop our duplicate with it.
+    group.close()
+
+
+_KEYVAL = MPI.Comm.Create_keyval(delete_fn=_release)
+
+
+def private_comm(process_group: Optional[MPI.Comm] = None) -> MPI.Comm:
+    """The library's private duplicate of ``process_group`` (``None`` is ``MPI.COMM_WORLD``).
+
+    Collective on the first call for a communicator (it calls ``Dup``), local afterwards.
+    ``MPI.COMM_NULL`` is returned as is, for ranks outside a ``Split``.
+    """
+    parent = resolve(process_group)
+    if parent == MPI.COMM_NULL:
+        return MPI.COMM_NULL
+    group = parent.Get_attr(_KEYVAL)
+    if group is None:
+        group = ProcessGroup(parent)
+        parent.Set_attr(_KEYVAL, group)
+    return group.comm

@@ -1,0 +1,113 @@
+"""Hierarchical model averaging: groups of growing size averaging at growing periods."""
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from typing import Dict, List, Optional
+
+from mpi4py import MPI
+
+from tensorplay_hpc import comm
+
+from .averagers import PERIOD_ONE_WARNING, ModelAverager
+from .utils import Params, average_on_communicator
+
+__all__ = ["HierarchicalModelAverager"]
+
+
+class HierarchicalModelAverager(ModelAverager):
+    """Averages parameters in a hierarchy of groups (hierarchical SGD), as PyTorch does.
+
+    ``period_group_size_dict`` maps a period to a group size, smallest first, e.g.
+    ``OrderedDict([(2, 2), (4, 4)])``: groups of 2 contiguous ranks average every 2 steps and the
+    whole group every 4. After ``warmup_steps``, at step ``s`` the last entry (in dict order)
+    whose period divides ``s`` chooses the group that averages; no entry dividing ``s`` means no
+    averaging. As in PyTorch, the period test is on ``s`` itself, not on ``s - warmup_steps``.
+
+    Subgroups are blocks of contiguous ranks of the process group (``comm.Split``), like
+    ``torch.distributed.new_subgroups``. Collective: construct it and call
+    :meth:`average_parameters` on every rank of the group.
+
+    Args:
+        period_group_size_dict: ordered ``{period: group_size}``; the last size must be the size
+            of ``process_group``.
+        warmup_steps: steps before the first averaging.
+        process_group: the whole group (``None`` is ``MPI.COMM_WORLD``).
+
+    Attributes:
+        period_process_group_dict: ``{period: communicator}`` of this rank's group per level.
+
+    Raises:
+        ValueError: an empty dict, a period below 1, a group size that is not positive, larger
+            than the group or does not divide it, a last size other than the group's size,
+            or ``warmup_steps < 0``.
+    """
+
+    def __init__(self, period_group_size_dict: Optional[Dict[int, int]] = None,
+                 warmup_steps: int = 0, process_group: Optional[MPI.Comm] = None) -> None:
+        rank = MPI.COMM_WORLD.Get_rank()
+        if not period_group_size_dict:
+            raise ValueError(f"Arg ``period_group_size_dict`` must not be empty "
+                             f"(world rank {rank}).")
+        periods: List[int] = list(period_group_size_dict.keys())
+        sizes: List[int] = list(period_group_size_dict.values())
+        bad_periods = [p for p in periods if p < 1]
+        if bad_periods:
+            raise ValueError(f"Periods in arg ``period_group_size_dict`` must be positive, got "
+                             f"{bad_periods} (world rank {rank}).")
+        if warmup_steps < 0:
+            raise ValueError(f"Arg ``warmup_steps`` must be a non-negative number, got "
+                             f"{warmup_steps} (world rank {rank}).")
+        if periods[-1] == 1:
+            warnings.warn(PERIOD_ONE_WARNING, stacklevel=2)
+        super().__init__(process_group)
+        self.warmup_steps = warmup_steps
+        self._periods = periods
+        self._subgroups: List[comm.ProcessGroup] = []
+        self.period_process_group_dict: "OrderedDict[int, MPI.Comm]" = OrderedDict()
+        if self._group is None:   # outside the group: counts steps only
+            return
+        total = self._group.size
+        if sizes[-1] != total:
+            raise ValueError(f"The last value in arg ``period_group_size_dict`` ({sizes[-1]}) "
+                             f"must be equal to the size of arg ``process_group`` ({total}) "
+                             f"(world rank {rank}).")
+        for size in sizes:
+            if size < 1 or size > total or total % size:
+                raise ValueError(f"Group size {size} in arg ``period_group_size_dict`` must be "
+                                 f"positive and divide the process group's size {total} "
+                                 f"(world rank {rank}).")
+        for period, size in period_group_size_dict.items():
+            self.period_process_group_dict[period] = self._level(size)
+
+    def _level(self, size: int) -> MPI.Comm:
+        """This rank's communicator among blocks of ``size`` contiguous ranks. Collective."""
+        if size == self._group.size:
+            return self._group.comm
+        block = self._group.comm.Split(self._group.rank // size, self._group.rank)
+        owned = comm.ProcessGroup(block)
+        block.Free()
+        self._subgroups.append(owned)
+        return owned.comm
+
+    def _find_process_group(self) -> Optional[MPI.Comm]:
+        """The communicator of the last period dividing :attr:`step`, or ``None``."""
+        for period in reversed(self._periods):
+            if self.step % period == 0:
+                return self.period_process_group_dict.get(period, MPI.COMM_NULL)
+        return None
+
+    def average_parameters(self, params: Params) -> None:
+        """Average the parameters (or optimizer param groups) that have gradients in the group
+        this step chooses, if any; advance the step counter either way. Collective."""
+        if self.step >= self.warmup_steps:
+            group = self._find_process_group()
+            if group is not None:
+                average_on_communicator(params, group)
+        self.step += 1
+
+    def close(self) -> None:
+        """Free the private communicators. Collective over the process group."""
+        for subgroup in self._subgroups:
+            subgroup.close()
+        super().close()

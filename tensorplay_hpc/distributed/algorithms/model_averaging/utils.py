@@ -1,0 +1,61 @@
+"""Averaging parameters across a process group with one flat allreduce."""
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Optional, Union
+
+import torch
+from mpi4py import MPI
+
+from tensorplay_hpc import comm
+from tensorplay_hpc.comm.private import private_comm
+
+__all__ = ["average_parameters", "average_parameters_or_parameter_groups",
+           "average_on_communicator", "get_params_to_average"]
+
+Params = Union[Iterable[torch.nn.Parameter], Iterable[Dict[str, object]]]
+
+
+def get_params_to_average(params: Params) -> List[torch.Tensor]:
+    """The parameters that have a gradient, from parameters or optimizer param-group dicts."""
+    selected: List[torch.Tensor] = []
+    for item in params:
+        if isinstance(item, torch.Tensor):
+            candidates = [item]
+        elif isinstance(item, dict):
+            candidates = list(item["params"])
+        else:
+            raise NotImplementedError(
+                f"parameters to average must be tensors or param-group dicts, got "
+                f"{type(item).__name__} (world rank {MPI.COMM_WORLD.Get_rank()})")
+        selected.extend(p for p in candidates if p.grad is not None)
+    return selected
+
+
+def average_on_communicator(params: Params, communicator: MPI.Comm) -> None:
+    """Average the parameters that have a gradient over ``communicator`` exactly as given (the
+    caller owns it, e.g. an averager's private duplicate). Collective over ``communicator``;
+    a no-op on a rank holding ``MPI.COMM_NULL``."""
+    if communicator == MPI.COMM_NULL:
+        return
+    tensors = [p.detach() for p in get_params_to_average(params)]
+    comm.all_reduce_coalesced(tensors, communicator, comm.ReduceOp.AVG)
+
+
+def average_parameters(params: Params, process_group: Optional[MPI.Comm] = None) -> None:
+    """Average the parameters (or optimizer param groups) that have a gradient across
+    ``process_group`` (``None`` is ``MPI.COMM_WORLD``), in place.
+
+    All of them travel in one flat buffer per dtype (a single allreduce for a model of one
+    dtype). Unlike PyTorch, the parameters keep their own storage: the averages are copied back
+    rather than the parameters being re-pointed into the flat buffer. Traffic goes over a private
+    duplicate of ``process_group``, made on the first call and cached on the communicator.
+
+    Collective over ``process_group``; every rank must pass parameters of the same shapes with
+    gradients. A rank where the group is ``MPI.COMM_NULL`` (outside a ``Split``) keeps its values.
+    """
+    average_on_communicator(params, private_comm(process_group))
+
+
+def average_parameters_or_parameter_groups(params: Params, process_group: Optional[MPI.Comm]) -> None:
+    """PyTorch's name for :func:`average_parameters`."""
+    average_parameters(params, process_group)

@@ -1,0 +1,134 @@
+"""DistributedDataParallel over MPI: replicas of a module whose gradients are averaged in
+buckets, overlapped with the backward pass (see :mod:`.reducer`).
+
+Communication hooks (``register_comm_hook``) follow PyTorch's interface: ``hook(state, bucket)``
+gets a :class:`~.reducer.GradBucket` (``buffer()``, ``parameters()``, ``gradients()``,
+``index()``, ``is_last()``) and returns an object whose ``wait()`` gives the reduced flat tensor,
+or a ``torch.futures.Future`` of it; see
+:mod:`tensorplay_hpc.distributed.algorithms.ddp_comm_hooks` for the details and built-in hooks.
+"""
+from __future__ import annotations
+
+import hashlib
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from mpi4py import MPI
+
+from tensorplay_hpc import comm
+
+from .reducer import GradBucket, Reducer
+
+__all__ = ["DistributedDataParallel"]
+
+Signature = Tuple[str, Tuple[int, ...], str]
+
+
+def _describe(entry: Optional[Signature]) -> str:
+    if entry is None:
+        return "nothing"
+    name, shape, dtype = entry
+    return f"{name!r} of shape {tuple(shape)} and {dtype}"
+
+
+def check_same_model(signature: Sequence[Signature], communicator: MPI.Intracomm) -> None:
+    """Raise the same ``ValueError`` on every rank unless all ranks have tensors of the same
+    shapes and dtypes. Collective: one allgather of a 16-byte digest (plus an allgather of
+    the signatures to name the difference, only when the digests differ)."""
+    digest = hashlib.blake2b(repr([entry[1:] for entry in signature]).encode(),
+                             digest_size=16).digest()
+    if len(set(communicator.allgather(digest))) == 1:
+        return
+    signatures = communicator.allgather(list(signature))
+    reference = signatures[0]
+    for rank, other in enumerate(signatures):
+        for index in range(max(len(reference), len(other))):
+            mine = other[index] if index < len(other) else None
+            theirs = reference[index] if index < len(reference) else None
+            if mine is None or theirs is None or mine[1:] != theirs[1:]:
+                raise ValueError(
+                    f"DistributedDataParallel: the model on rank {rank} differs from rank 0's "
+                    f"({len(other)} against {len(reference)} parameters and buffers); the first "
+                    f"difference is at position {index}: {_describe(mine)} on rank {rank}, "
+                    f"{_describe(theirs)} on rank 0 (raised on rank {communicator.Get_rank()})")
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """Data parallelism over MPI, PyTorch's ``DistributedDataParallel`` for mpi4py groups.
+
+    At construction, parameters and buffers are broadcast from rank 0 (one flat buffer per
+    dtype). In each backward pass the gradients are averaged across the group, bucket by bucket,
+    while the rest of the backward pass runs; they are in place when ``backward()`` returns.
+    Collective: construct it, run forward and backward on every rank of the group.
+
+    Args:
+        module: the module to replicate (already on its device).
+        process_group: the data-parallel group (``None`` is ``MPI.COMM_WORLD``).
+        bucket_cap_mb: bucket size in MiB (the first bucket is at most 1 MiB).
+        find_unused_parameters: let parameters go without a gradient in some iterations (they
+            count as zeros; parameters unused on every rank keep their ``grad``). Without it,
+            a parameter without a gradient raises a ``RuntimeError`` after the backward pass.
+        broadcast_buffers: broadcast buffers from rank 0 before each training forward pass.
+        gradient_as_bucket_view: gradients are views into the bucket buffers (fewer copies).
+
+    Raises:
+        ValueError: the ranks' models differ (names the rank and the first difference).
+    """
+
+    def __init__(self, module: torch.nn.Module, process_group: Optional[MPI.Comm] = None,
+                 bucket_cap_mb: float = 25, find_unused_parameters: bool = False,
+                 broadcast_buffers: bool = True, gradient_as_bucket_view: bool = False) -> None:
+        super().__init__()
+        self.module = module
+        self.process_group = comm.resolve(process_group)
+        self._group = comm.ProcessGroup(self.process_group)
+        named_params = list(module.named_parameters())
+        named_buffers = list(module.named_buffers())
+        check_same_model([(name, tuple(t.shape), str(t.dtype))
+                          for name, t in named_params + named_buffers], self._group.comm)
+        self._buffers_to_sync = [b for _, b in named_buffers]
+        with torch.no_grad():
+            comm.broadcast_coalesced([p.detach() for _, p in named_params] + self._buffers_to_sync,
+                                     self._group.comm, root=0)
+        trained = [(name, p) for name, p in named_params if p.requires_grad]
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.require_backward_grad_sync = True
+        self.reducer = Reducer([p for _, p in trained], [name for name, _ in trained],
+                               self._group.comm, int(bucket_cap_mb * 2**20),
+                               find_unused_parameters, gradient_as_bucket_view)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Run the module; prepares the gradient reduction of the next backward pass."""
+        training = torch.is_grad_enabled()
+        sync = training and self.require_backward_grad_sync
+        if sync and self.broadcast_buffers and self._buffers_to_sync:
+            with torch.no_grad():
+                comm.broadcast_coalesced(self._buffers_to_sync, self._group.comm, root=0)
+        output = self.module(*inputs, **kwargs)
+        if training:
+            self.reducer.prepare(sync, output)
+        return output
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes of forward passes run inside accumulate gradients locally; the first
+        synchronized backward pass afterwards averages the accumulated sums."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def register_comm_hook(self, state: Any, hook: Callable[[Any, GradBucket], Any]) -> None:
+        """Reduce each bucket with ``hook(state, bucket)`` instead of the built-in averaging.
+        Call once, before the first backward pass, on every rank."""
+        self.reducer.register_comm_hook(state, hook)
+
+    @property
+    def buckets(self) -> List[GradBucket]:
+        """The gradient buckets, in reduction order."""
+        return self.reducer.buckets

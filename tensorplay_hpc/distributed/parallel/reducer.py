@@ -1,0 +1,304 @@
+"""Gradient buckets and their reduction, overlapped with the backward pass.
+
+Each parameter has a post-accumulate-grad hook. When it fires, the gradient is copied (divided
+by the group size) into its slot of a flat bucket buffer; when every slot of a bucket is filled,
+the bucket's allreduce starts without blocking. Buckets start strictly in index order, so every
+rank issues the same collectives in the same order whatever order its gradients arrive in. The
+hooks also test the oldest outstanding reduction, because Open MPI advances nonblocking
+collectives only inside MPI calls. A callback queued on the autograd engine waits for all
+buckets when the backward pass ends and writes the averaged gradients back.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+import torch
+from mpi4py import MPI
+from torch.utils._pytree import tree_leaves
+
+from tensorplay_hpc import comm
+from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.default_hooks import BucketWork
+
+FIRST_BUCKET_BYTES = 1 << 20   # a small first bucket starts communication early, as in PyTorch
+
+Hook = Callable[[Any, "GradBucket"], Any]
+
+
+class GradBucket:
+    """The gradients of several parameters of one dtype and device in one flat buffer; what a
+    communication hook receives (PyTorch's ``GradBucket`` interface)."""
+
+    def __init__(self, index: int, parameters: Sequence[torch.nn.Parameter], is_last: bool) -> None:
+        first = parameters[0]
+        self._index = index
+        self._parameters = list(parameters)
+        self._is_last = is_last
+        self.flat = comm.FlatBuffer([p.shape for p in parameters], first.dtype, first.device)
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        """The flat gradient tensor."""
+        return self.flat.buffer
+
+    def gradients(self) -> List[torch.Tensor]:
+        """Views of :meth:`buffer` shaped like each parameter."""
+        return list(self.flat.views)
+
+    def parameters(self) -> List[torch.nn.Parameter]:
+        return list(self._parameters)
+
+    def is_last(self) -> bool:
+        """Whether this is the last bucket reduced in an iteration."""
+        return self._is_last
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        """Replace the bucket's contents with ``tensor``'s."""
+        self.flat.buffer.copy_(tensor.reshape(-1))
+
+
+def assign_buckets(params: Sequence[torch.Tensor], cap_bytes: int) -> List[List[int]]:
+    """Parameter indices per bucket: reverse parameter order (roughly the order gradients
+    arrive in), one dtype and device per bucket, each closed once it holds ``cap_bytes`` (the
+    first one at ``min(cap_bytes, 1 MiB)``)."""
+    buckets: List[List[int]] = []
+    open_buckets: Dict[Tuple[torch.dtype, torch.device], List] = {}
+    for index in reversed(range(len(params))):
+        param = params[index]
+        entry = open_buckets.setdefault((param.dtype, param.device), [[], 0])
+        entry[0].append(index)
+        entry[1] += param.numel() * param.element_size()
+        limit = min(cap_bytes, FIRST_BUCKET_BYTES) if not buckets else cap_bytes
+        if entry[1] >= limit:
+            buckets.append(entry[0])
+            del open_buckets[(param.dtype, param.device)]
+    buckets.extend(indices for indices, _ in open_buckets.values())
+    return buckets
+
+
+def reachable_parameters(outputs: Any) -> Set[int]:
+    """``id``s of the leaf tensors the autograd graph of ``outputs`` reaches."""
+    found: Set[int] = set()
+    stack = []
+    for leaf in tree_leaves(outputs):
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            if leaf.grad_fn is None:
+                found.add(id(leaf))
+            else:
+                stack.append(leaf.grad_fn)
+    seen = set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            found.add(id(variable))
+        stack.extend(child for child, _ in node.next_functions)
+    return found
+
+
+def _done(result: Any) -> bool:
+    """Whether a hook's result has completed, testing it (which drives MPI progress)."""
+    if hasattr(result, "is_completed"):
+        return result.is_completed()
+    if hasattr(result, "done"):
+        return result.done()
+    return False
+
+
+def _reduced_tensor(result: Any) -> torch.Tensor:
+    value = result.wait()
+    if isinstance(value, (list, tuple)):
+        value = value[0]
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"a communication hook's result must wait() to a tensor, got "
+                        f"{type(value).__name__} (world rank {MPI.COMM_WORLD.Get_rank()})")
+    return value
+
+
+def _on_grad(reducer_ref: "weakref.ref[Reducer]", index: int, param: torch.Tensor) -> None:
+    reducer = reducer_ref()
+    if reducer is not None:
+        reducer.gradient_ready(index)
+
+
+def _remove(handles: Iterable[Any]) -> None:
+    for handle in handles:
+        handle.remove()
+
+
+class Reducer:
+    """Buckets the gradients of ``params`` and averages them over ``communicator``.
+
+    Args:
+        params: the parameters that require gradients, in module order.
+        names: their names, for error messages.
+        communicator: the private communicator of the data-parallel group.
+        bucket_cap_bytes: the size at which a bucket closes.
+        find_unused_parameters: parameters without a gradient count as zero gradients, and
+            those unused on every rank keep their ``grad``.
+        gradient_as_bucket_view: leave ``param.grad`` as a view of the bucket buffer, which saves
+            the copy back (and the copy in, when gradients accumulate into it).
+    """
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
+                 communicator: MPI.Intracomm, bucket_cap_bytes: int,
+                 find_unused_parameters: bool, gradient_as_bucket_view: bool) -> None:
+        self.params = list(params)
+        self.names = list(names)
+        self.comm = communicator
+        self.size = communicator.Get_size()
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        layout = assign_buckets(self.params, bucket_cap_bytes)
+        self.buckets = [GradBucket(b, [self.params[i] for i in indices], b == len(layout) - 1)
+                        for b, indices in enumerate(layout)]
+        self._slot: List[Tuple[int, int]] = [(0, 0)] * len(self.params)
+        for b, indices in enumerate(layout):
+            for position, index in enumerate(indices):
+                self._slot[index] = (b, position)
+        self._hook: Optional[Hook] = None
+        self._hook_state: Any = None
+        self.sync = True
+        self._unused: Sequence[int] = ()
+        self._used = [False] * len(self.params)   # locally, since the last synchronized pass
+        self._reset()
+        reducer_ref = weakref.ref(self)
+        handles = [p.register_post_accumulate_grad_hook(
+            lambda param, index=i: _on_grad(reducer_ref, index, param))
+            for i, p in enumerate(self.params)]
+        weakref.finalize(self, _remove, handles)
+
+    def _reset(self) -> None:
+        self._ready = [False] * len(self.params)
+        self._pending = [len(bucket.flat) for bucket in self.buckets]
+        self._next_bucket = 0
+        self._results: List[Any] = []
+        self._tested = 0
+        self._started = False
+
+    def register_comm_hook(self, state: Any, hook: Hook) -> None:
+        if self._hook is not None:
+            raise RuntimeError("register_comm_hook can only be called once "
+                               f"(world rank {MPI.COMM_WORLD.Get_rank()})")
+        self._hook, self._hook_state = hook, state
+
+    def prepare(self, sync: bool, outputs: Any) -> None:
+        """Set up the next backward pass after a forward pass that produced ``outputs``."""
+        if self._started:
+            waiting = [self.names[i] for i, ready in enumerate(self._ready) if not ready]
+            raise RuntimeError(
+                "DistributedDataParallel: the previous backward pass did not finish reducing "
+                f"gradients on rank {self.comm.Get_rank()}; parameters still waiting: {waiting}")
+        self.sync = sync
+        self._unused = ()
+        if sync and self.find_unused_parameters:
+            reached = reachable_parameters(outputs)
+            self._unused = [i for i, p in enumerate(self.params) if id(p) not in reached]
+
+    def gradient_ready(self, index: int) -> None:
+        """The post-accumulate-grad hook of parameter ``index``."""
+        self._used[index] = True
+        if not self.sync:
+            return
+        if not self._started:
+            self._started = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+            for unused in self._unused:
+                self._mark_ready(unused)
+        if self._ready[index]:
+            raise RuntimeError(
+                f"DistributedDataParallel: parameter {self.names[index]!r} received a gradient "
+                f"twice in one backward pass on rank {self.comm.Get_rank()}")
+        self._mark_ready(index)
+        self._progress()
+
+    def _mark_ready(self, index: int) -> None:
+        """Put parameter ``index``'s gradient (zeros if it has none) into its bucket slot."""
+        b, position = self._slot[index]
+        slot = self.buckets[b].flat.views[position]
+        param = self.params[index]
+        grad = param.grad
+        divide = self._hook is None   # the built-in reduction averages as it copies in
+        if grad is None:
+            slot.zero_()
+        elif grad.data_ptr() == slot.data_ptr():
+            if divide:
+                slot.div_(self.size)
+        else:
+            if divide:
+                torch.div(grad, self.size, out=slot)
+            else:
+                slot.copy_(grad)
+            if self.gradient_as_bucket_view:
+                param.grad = slot
+        self._ready[index] = True
+        self._pending[b] -= 1
+        while (self._next_bucket < len(self.buckets)
+               and self._pending[self._next_bucket] == 0):
+            self._results.append(self._start(self.buckets[self._next_bucket]))
+            self._next_bucket += 1
+
+    def _start(self, bucket: GradBucket) -> Any:
+        if self._hook is not None:
+            return self._hook(self._hook_state, bucket)
+        buffer = bucket.buffer()
+        return BucketWork(buffer, comm.all_reduce(buffer, self.comm, comm.ReduceOp.SUM,
+                                                  async_op=True))
+
+    def _progress(self) -> None:
+        while self._tested < len(self._results) and _done(self._results[self._tested]):
+            self._tested += 1
+
+    def _finalize(self) -> None:
+        """Runs when the backward pass ends: completes every bucket, writes gradients back."""
+        try:
+            missing = [i for i, ready in enumerate(self._ready) if not ready]
+            for index in missing:   # zeros keep the collectives matched on every rank
+                self._mark_ready(index)
+            used = self._globally_used()
+            for bucket, result in zip(self.buckets, self._results):
+                reduced = _reduced_tensor(result)
+                if reduced.data_ptr() != bucket.buffer().data_ptr():
+                    bucket.set_buffer(reduced)
+            self._write_back(used)
+        finally:
+            self._used = [False] * len(self.params)
+            self._reset()
+        if missing and not self.find_unused_parameters:
+            raise RuntimeError(
+                f"DistributedDataParallel: on rank {self.comm.Get_rank()} parameters received no "
+                f"gradient in the backward pass: {[self.names[i] for i in missing]}. Pass "
+                "find_unused_parameters=True if some parameters are not used in the loss "
+                "(the other ranks' gradients were averaged with zeros for them).")
+
+    def _globally_used(self) -> Optional[List[bool]]:
+        """Which parameters had a gradient on some rank (``None``: all, without the search)."""
+        if not self.find_unused_parameters:
+            return None
+        used = torch.tensor(self._used, dtype=torch.bool)
+        comm.all_reduce(used, self.comm, comm.ReduceOp.MAX)
+        return used.tolist()
+
+    def _write_back(self, used: Optional[List[bool]]) -> None:
+        targets, sources = [], []
+        for index, param in enumerate(self.params):
+            if used is not None and not used[index]:
+                continue   # unused everywhere: the gradient stays as it was, like PyTorch
+            b, position = self._slot[index]
+            slot = self.buckets[b].flat.views[position]
+            grad = param.grad
+            if self.gradient_as_bucket_view:
+                if grad is None or grad.data_ptr() != slot.data_ptr():
+                    param.grad = slot
+            elif grad is None:
+                param.grad = slot.clone()
+            else:
+                targets.append(grad)
+                sources.append(slot)
+        if targets:
+            torch._foreach_copy_(targets, sources)
