@@ -1,25 +1,48 @@
 """Timing collective code: every rank starts together, the slowest rank's time counts."""
 from __future__ import annotations
 
+import math
 import statistics
 import time
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Sequence
 
 from mpi4py import MPI
+
+MIN_SAMPLE_S = 0.02   # calls shorter than this are timed in batches, so barrier skew washes out
+
+
+def _timed(fn: Callable[[], object], calls: int, comm: MPI.Intracomm) -> float:
+    comm.Barrier()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = (time.perf_counter() - start) / calls
+    return comm.allreduce(elapsed, op=MPI.MAX)
 
 
 def median_seconds(fn: Callable[[], object], repeat: int = 7, warmup: int = 2,
                    comm: Optional[MPI.Intracomm] = None) -> float:
-    """Median over ``repeat`` runs of ``fn`` after ``warmup`` untimed runs. Collective: each run
-    starts after a barrier and is the maximum over the ranks of ``comm`` (default world)."""
+    """Median seconds per call of ``fn`` over ``repeat`` samples, after ``warmup`` calls.
+
+    Collective over ``comm`` (default world): each sample starts after a barrier and counts the
+    slowest rank. Calls under 20 ms are repeated within a sample and averaged.
+    """
+    return compare([fn], repeat, warmup, comm)[0]
+
+
+def compare(fns: Sequence[Callable[[], object]], repeat: int = 7, warmup: int = 2,
+            comm: Optional[MPI.Intracomm] = None) -> List[float]:
+    """:func:`median_seconds` of several functions, their samples interleaved so that a noisy
+    machine slows all of them alike. Collective."""
     comm = comm or MPI.COMM_WORLD
-    for _ in range(warmup):
-        fn()
-    times = []
+    batches = []
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+        calls = max(1, math.ceil(MIN_SAMPLE_S / max(_timed(fn, 1, comm), 1e-7)))
+        batches.append(comm.allreduce(min(calls, 1000), op=MPI.MAX))
+    samples: List[List[float]] = [[] for _ in fns]
     for _ in range(repeat):
-        comm.Barrier()
-        start = time.perf_counter()
-        fn()
-        elapsed = time.perf_counter() - start
-        times.append(comm.allreduce(elapsed, op=MPI.MAX))
-    return statistics.median(times)
+        for fn, calls, times in zip(fns, batches, samples):
+            times.append(_timed(fn, calls, comm))
+    return [statistics.median(times) for times in samples]

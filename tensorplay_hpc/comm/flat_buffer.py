@@ -2,10 +2,13 @@
 so that a single collective moves all of them."""
 from __future__ import annotations
 
+import functools
+import itertools
 from collections import OrderedDict
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 Key = Tuple[torch.dtype, torch.device]
 
@@ -21,53 +24,69 @@ def group_by_dtype_device(tensors: Iterable[torch.Tensor]) -> "OrderedDict[Key, 
 class FlatBuffer:
     """A 1-D ``buffer`` holding tensors of the given shapes back to back.
 
-    ``views[i]`` is a view of the buffer shaped like tensor ``i``; ``offsets[i]`` is where it
-    starts, in elements.
+    ``views[i]`` is a view of the buffer shaped like tensor ``i`` and ``offsets[i]`` is where it
+    starts, in elements; both are made on first use, so a buffer packed for one collective and
+    copied out again never pays for them.
     """
 
     def __init__(self, shapes: Sequence[torch.Size], dtype: torch.dtype,
                  device: torch.device | str = "cpu", buffer: Optional[torch.Tensor] = None) -> None:
-        self.shapes = [torch.Size(s) for s in shapes]
-        self.numels = [s.numel() for s in self.shapes]
-        self.offsets: List[int] = []
-        total = 0
-        for n in self.numels:
-            self.offsets.append(total)
-            total += n
+        self._layout: Sequence = shapes
+        total = sum(self.numels)
         if buffer is None:
             buffer = torch.empty(total, dtype=dtype, device=device)
         elif buffer.numel() != total or buffer.dim() != 1:
             raise ValueError(f"buffer has {buffer.numel()} elements, the shapes need {total}")
         self.buffer = buffer
-        self.views: List[torch.Tensor] = [
-            buffer[o:o + n].view(s) for o, n, s in zip(self.offsets, self.numels, self.shapes)]
 
     @classmethod
     def pack(cls, tensors: Sequence[torch.Tensor], dtype: Optional[torch.dtype] = None) -> "FlatBuffer":
         """A new buffer filled with copies of ``tensors`` (converted to ``dtype`` if given)."""
         if not tensors:
             raise ValueError("FlatBuffer.pack needs at least one tensor")
-        first = tensors[0]
-        flat = cls([t.shape for t in tensors], dtype or first.dtype, first.device)
-        flat.copy_from(tensors)
+        tensors = list(tensors)
+        buffer = _flatten_dense_tensors(tensors)
+        if dtype is not None and dtype != buffer.dtype:
+            buffer = buffer.to(dtype)
+        flat = cls.__new__(cls)
+        flat._layout, flat.buffer = tensors, buffer   # the tensors stand in for their shapes
         return flat
+
+    @functools.cached_property
+    def shapes(self) -> List[torch.Size]:
+        return [item.shape if isinstance(item, torch.Tensor) else torch.Size(item)
+                for item in self._layout]
+
+    @functools.cached_property
+    def numels(self) -> List[int]:
+        return [s.numel() for s in self.shapes]
+
+    @functools.cached_property
+    def offsets(self) -> List[int]:
+        return list(itertools.accumulate(self.numels[:-1], initial=0)) if self.numels else []
+
+    @functools.cached_property
+    def views(self) -> List[torch.Tensor]:
+        return [part.view(shape) for part, shape in zip(self.buffer.split(self.numels), self.shapes)]
 
     def copy_from(self, tensors: Sequence[torch.Tensor]) -> None:
         """Copy ``tensors`` into their places in the buffer."""
-        if self.views:
+        if self._layout:
             torch._foreach_copy_(self.views, list(tensors))
 
     def copy_to(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Copy the buffer's contents out into ``tensors``."""
-        if self.views:
-            torch._foreach_copy_(list(tensors), self.views)
+        """Copy the buffer's contents out into ``tensors`` (which may differ in dtype)."""
+        if self._layout:
+            tensors = list(tensors)
+            torch._foreach_copy_(tensors, _unflatten_dense_tensors(self.buffer, tensors))
 
     def __len__(self) -> int:
-        return len(self.views)
+        return len(self._layout)
 
 
 def pack_by_dtype_device(tensors: Sequence[torch.Tensor],
-                         dtype_map=None) -> Dict[Key, Tuple[List[int], FlatBuffer]]:
+                         dtype_map: Optional[Callable[[torch.dtype], torch.dtype]] = None,
+                         ) -> Dict[Key, Tuple[List[int], FlatBuffer]]:
     """One packed :class:`FlatBuffer` per ``(dtype, device)`` of ``tensors``.
 
     ``dtype_map`` may choose the buffer's dtype from a tensor dtype (a reduction in float32).

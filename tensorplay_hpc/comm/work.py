@@ -53,8 +53,7 @@ def complete(requests: List[MPI.Request], then: Callable[[], object], async_op: 
              keep: Sequence[object] = ()) -> Optional[Work]:
     """Return a handle for an asynchronous call, or finish a blocking one now. ``keep`` holds
     the buffers that MPI reads until the requests complete."""
-    work = Work(requests, then, keep)
-    if async_op:
-        return work
-    work.wait()
-    return None
+    if not async_op:  # blocking calls have no requests left
+        then()
+        return None
+    return Work(requests, then, keep)
