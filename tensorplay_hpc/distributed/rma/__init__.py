@@ -6,7 +6,7 @@
 updates parameters, without the owner taking part.
 """
 from .progress import ProgressThread
-from .reference import RemoteRef
+from .reference import RemoteRef, by_owner
 from .shared import SharedTensors, share
 
-__all__ = ["ProgressThread", "RemoteRef", "SharedTensors", "share"]
+__all__ = ["ProgressThread", "RemoteRef", "SharedTensors", "by_owner", "share"]

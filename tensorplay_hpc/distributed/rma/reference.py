@@ -1,7 +1,8 @@
 """Remote references: a handle on one tensor that a rank exposes in an MPI window."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Tuple
+from collections import defaultdict
+from typing import TYPE_CHECKING, Dict, Iterable, List, Tuple
 
 import torch
 
@@ -58,3 +59,11 @@ class RemoteRef:
     def __repr__(self) -> str:
         return (f"RemoteRef(owner={self._owner}, index={self.index}, shape={tuple(self.shape)}, "
                 f"dtype={self.dtype})")
+
+
+def by_owner(refs: Iterable[RemoteRef]) -> Dict[int, List[RemoteRef]]:
+    """``refs`` grouped by owner, owners in ascending order (the order locks are taken in)."""
+    groups: Dict[int, List[RemoteRef]] = defaultdict(list)
+    for ref in refs:
+        groups[ref.owner()].append(ref)
+    return dict(sorted(groups.items()))

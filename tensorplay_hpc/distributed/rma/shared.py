@@ -1,8 +1,7 @@
 """Tensors exposed in MPI windows: :func:`share` and the :class:`SharedTensors` it returns."""
 from __future__ import annotations
 
-from collections import defaultdict
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
 from mpi4py import MPI
@@ -12,7 +11,7 @@ from tensorplay_hpc.comm.dtypes import move_datatype, reduce_dtype
 
 from .layout import Layout
 from .progress import ProgressThread
-from .reference import RemoteRef
+from .reference import RemoteRef, by_owner
 from .window import Window
 
 
@@ -96,7 +95,7 @@ class SharedTensors:
         """Add ``gradients`` into this rank's slot on their owners with ``MPI.SUM``; those of
         ``fresh`` refs replace the slot's stale contents instead. Not collective."""
         fresh = set(fresh)
-        for owner, refs in _by_owner(gradients).items():
+        for owner, refs in by_owner(gradients).items():
             with self.gradients.locked(owner):
                 kept = []  # alive until the epoch ends
                 for ref in refs:
@@ -108,7 +107,7 @@ class SharedTensors:
     def fetch_gradients(self, refs: Iterable[RemoteRef]) -> Dict[RemoteRef, torch.Tensor]:
         """This rank's accumulated gradients of ``refs``, in their dtype. Not collective."""
         out = {}
-        for owner, group in _by_owner(refs).items():
+        for owner, group in by_owner(refs).items():
             with self.gradients.locked(owner):
                 for ref in group:
                     out[ref] = self.get_gradient(ref)
@@ -158,14 +157,6 @@ def share(tensors: Iterable[torch.Tensor], process_group: Optional[MPI.Comm] = N
         it as a context manager.
     """
     return SharedTensors(list(tensors), process_group, progress_thread)
-
-
-def _by_owner(refs: Iterable[RemoteRef]) -> Dict[int, List[RemoteRef]]:
-    """``refs`` grouped by owner, owners in ascending order (a fixed lock order)."""
-    groups: Dict[int, List[RemoteRef]] = defaultdict(list)
-    for ref in refs:
-        groups[ref.owner()].append(ref)
-    return dict(sorted(groups.items()))
 
 
 def _describe(value: object) -> str:
