@@ -1,0 +1,255 @@
+"""DistributedOptimizer: a ``torch.optim`` optimizer applied to remote parameters over MPI windows.
+
+PyTorch builds this on its RPC framework: each owner runs the optimizer when asked. Here the
+owner takes no part. A trainer's ``step`` takes an exclusive lock on the owner's windows, fetches
+the parameter, its gradient (from the trainer's slot, see
+:mod:`tensorplay_hpc.distributed.autograd`) and its optimizer state, runs the optimizer locally,
+and puts parameter and state back before unlocking. The state therefore lives in the owner's
+window memory, with a fixed layout per parameter learned at construction by running the
+optimizer once on a zero dummy: a flag "state exists" (so the optimizer initializes its state on
+the very first step, as locally) followed by every state entry (tensors, and Python numbers as
+float64). Steps by any number of trainers continue one state, and steps on one owner are
+serialized by the exclusive lock, so no update is lost and readers never see half of one.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, List, Tuple, Type
+
+import torch
+
+from tensorplay_hpc.distributed import autograd
+from tensorplay_hpc.distributed.rma import RemoteRef, by_owner
+from tensorplay_hpc.distributed.rma.layout import Layout, Spec
+from tensorplay_hpc.distributed.rma.window import Window
+
+_NUMBER_TYPES = (bool, int, float)
+_FLAG: Spec = ((), torch.int64)
+ParamKey = Tuple[int, int]  # (owner, index) of a shared tensor
+
+
+class StateEntry:
+    """One entry of an optimizer's per-parameter state: a tensor, or a Python number stored as a
+    float64 scalar and given back as its type."""
+
+    def __init__(self, key: str, value: Any) -> None:
+        self.key = key
+        if isinstance(value, torch.Tensor):
+            self.kind, self.spec = torch.Tensor, (tuple(value.shape), value.dtype)
+        elif isinstance(value, _NUMBER_TYPES):
+            self.kind, self.spec = type(value), ((), torch.float64)
+        else:
+            raise TypeError(f"optimizer state entry {key!r} is a {type(value).__name__}; only "
+                            "tensors and numbers can live in window memory")
+
+    def signature(self) -> Tuple:
+        return self.key, self.kind.__name__, self.spec[0], str(self.spec[1])
+
+    def restore(self, buffer: torch.Tensor) -> Any:
+        """The value for the optimizer from the fetched ``buffer``."""
+        return buffer if self.kind is torch.Tensor else self.kind(buffer.item())
+
+    def save(self, value: Any, buffer: torch.Tensor) -> torch.Tensor:
+        """The tensor to write back for the optimizer's ``value`` (``buffer`` holds numbers)."""
+        if self.kind is torch.Tensor:
+            if (not isinstance(value, torch.Tensor) or tuple(value.shape) != self.spec[0]
+                    or value.dtype != self.spec[1]):
+                raise RuntimeError(f"state entry {self.key!r} became {_describe(value)}, not the "
+                                   f"{self.spec[1]} tensor of shape {self.spec[0]} learned at "
+                                   "construction")
+            return value.detach().to("cpu").contiguous()
+        if not isinstance(value, _NUMBER_TYPES):
+            raise RuntimeError(f"state entry {self.key!r} became {_describe(value)}, not a number")
+        buffer.fill_(value)
+        return buffer
+
+
+def learn_state(optimizer_class: Type[torch.optim.Optimizer], shape: Tuple[int, ...],
+                dtype: torch.dtype, args: tuple, kwargs: dict) -> List[StateEntry]:
+    """The state entries ``optimizer_class`` keeps for a parameter of ``shape`` and ``dtype``,
+    found by one step on a zero dummy with a zero gradient."""
+    dummy = torch.zeros(shape, dtype=dtype)
+    dummy.grad = torch.zeros_like(dummy)
+    try:
+        optimizer = optimizer_class([dummy], *args, **kwargs)
+        optimizer.step()
+    except Exception as error:
+        raise RuntimeError(f"DistributedOptimizer: {optimizer_class.__name__} failed a step on a "
+                           f"dummy {dtype} parameter of shape {tuple(shape)}, run to learn its "
+                           f"state layout: {error}") from error
+    return [StateEntry(key, value) for key, value in optimizer.state[dummy].items()
+            if value is not None]
+
+
+class DistributedOptimizer:
+    """Apply ``optimizer_class`` to remote parameters with a context's gradients.
+
+    Collective over the group the references were shared on: every rank constructs it (and
+    :meth:`close` s it), each with its own references from one :func:`rma.share` call, possibly
+    different subsets; the owners allocate state for the union. Afterwards :meth:`step` is called
+    by any trainer alone.
+
+    Args:
+        optimizer_class: any ``torch.optim.Optimizer`` subclass.
+        params_rref: references to the parameters this rank will step.
+        *args, **kwargs: passed to ``optimizer_class`` (every rank must get a configuration
+            with the same state layout).
+    """
+
+    def __init__(self, optimizer_class: Type[torch.optim.Optimizer],
+                 params_rref: Iterable[RemoteRef], *args: Any, **kwargs: Any) -> None:
+        self._refs = list(params_rref)
+        if not self._refs:
+            raise ValueError("DistributedOptimizer needs at least one remote reference")
+        self._shared = self._refs[0].shared
+        rank = self._shared.rank
+        if any(ref.shared is not self._shared for ref in self._refs):
+            raise ValueError(f"DistributedOptimizer on rank {rank}: the references come from "
+                             "different rma.share() calls; use references from one")
+        self._optimizer_class = optimizer_class
+        communicator = self._shared.communicator
+        mine = sorted({(ref.owner(), ref.index) for ref in self._refs})
+        union = sorted({key for keys in communicator.allgather(mine) for key in keys})
+        entries: Dict[Spec, List[StateEntry]] = {}
+        try:
+            for owner, index in union:
+                ref = self._shared.refs_of(owner)[index]
+                spec = (tuple(ref.shape), ref.dtype)
+                if spec not in entries:
+                    entries[spec] = learn_state(optimizer_class, *spec, args, kwargs)
+            signature = sorted((spec[0], str(spec[1]), [e.signature() for e in found])
+                               for spec, found in entries.items())
+        except (RuntimeError, TypeError) as error:
+            signature = error
+        signatures = communicator.allgather(signature)  # every rank learns of any failure
+        if isinstance(signature, Exception):
+            raise signature
+        for other, theirs in enumerate(signatures):
+            if isinstance(theirs, Exception):
+                raise RuntimeError(f"DistributedOptimizer failed on rank {other}: {theirs}")
+            if theirs != signatures[0]:
+                raise ValueError(f"DistributedOptimizer: {optimizer_class.__name__} keeps "
+                                 f"different state on rank {other} than on rank 0 "
+                                 f"({theirs} vs {signatures[0]}); give every rank the same "
+                                 "configuration")
+        self._entries: Dict[ParamKey, List[StateEntry]] = {}
+        self._offsets: Dict[ParamKey, List[int]] = {}  # flag, then one per entry
+        layouts = []
+        for owner in range(self._shared.size):
+            keys = [key for key in union if key[0] == owner]
+            specs, first = [], {}
+            for key in keys:
+                ref = self._shared.refs_of(owner)[key[1]]
+                self._entries[key] = entries[(tuple(ref.shape), ref.dtype)]
+                first[key] = len(specs)
+                specs += [_FLAG] + [e.spec for e in self._entries[key]]
+            layout = Layout(specs)
+            for key in keys:
+                start = first[key]
+                self._offsets[key] = layout.offsets[start:start + 1 + len(self._entries[key])]
+            layouts.append(layout)
+        self._state = Window(communicator, layouts[rank].nbytes)
+        self._state.local.zero_()  # no parameter has state yet
+        self._proxies = {ref: torch.empty(ref.shape, dtype=ref.dtype) for ref in self._refs}
+        self._optimizer = optimizer_class(list(self._proxies.values()), *args, **kwargs)
+        communicator.Barrier()  # every owner's flags are cleared before anyone steps
+
+    def _buffers(self, ref: RemoteRef) -> List[torch.Tensor]:
+        """Local tensors to fetch ``ref``'s flag and state entries into."""
+        entries = self._entries[(ref.owner(), ref.index)]
+        return ([torch.zeros((), dtype=torch.int64)]
+                + [torch.empty(e.spec[0], dtype=e.spec[1]) for e in entries])
+
+    def _get_state(self, ref: RemoteRef) -> List[torch.Tensor]:
+        """Start fetching ``ref``'s flag and state (inside an epoch on the state window)."""
+        buffers = self._buffers(ref)
+        for buffer, offset in zip(buffers, self._offsets[(ref.owner(), ref.index)]):
+            self._state.get(buffer, ref.owner(), offset)
+        return buffers
+
+    def step(self, context_id: int) -> None:
+        """Update every parameter with a gradient in context ``context_id``; the others are left
+        unchanged. Not collective: the owners take no part.
+
+        Raises:
+            ValueError: ``context_id`` is not an open context of this rank.
+            RuntimeError: the optimizer failed; no parameter of that owner was changed.
+        """
+        ctx = autograd.retrieve_context(context_id)
+        stepped = [ref for ref in self._refs if ctx.has_gradient(ref)]
+        for owner, refs in by_owner(stepped).items():
+            self._step_owner(owner, refs, context_id)
+
+    def _step_owner(self, owner: int, refs: List[RemoteRef], context_id: int) -> None:
+        shared, state, optimizer = self._shared, self._state, self._optimizer
+        with shared.values.locked(owner, exclusive=True), state.locked(owner, exclusive=True):
+            with shared.gradients.locked(owner):
+                grads = [shared.get_gradient(ref) for ref in refs]
+            fetched = []
+            for ref in refs:
+                shared.values.get(self._proxies[ref], owner, shared.value_offset(ref))
+                fetched.append(self._get_state(ref))
+            shared.values.flush(owner)
+            state.flush(owner)
+            for proxy in self._proxies.values():
+                proxy.grad = None
+            for ref, grad, (flag, *buffers) in zip(refs, grads, fetched):
+                proxy = self._proxies[ref]
+                proxy.grad = grad.to(ref.dtype)
+                entries = self._entries[(ref.owner(), ref.index)]
+                optimizer.state[proxy] = ({e.key: e.restore(b) for e, b in zip(entries, buffers)}
+                                          if flag.item() else {})
+            try:
+                optimizer.step()
+                saved = [self._saved(ref, buffers) for ref, (_, *buffers) in zip(refs, fetched)]
+            except Exception as error:
+                raise RuntimeError(
+                    f"DistributedOptimizer.step(context {context_id}) on rank {shared.rank}: "
+                    f"{self._optimizer_class.__name__} failed on parameters "
+                    f"{[ref.index for ref in refs]} of rank {owner}, which were left unchanged: "
+                    f"{error}") from error
+            for ref, (flag, *_), tensors in zip(refs, fetched, saved):
+                shared.values.put(self._proxies[ref], owner, shared.value_offset(ref))
+                flag.fill_(1)
+                for tensor, offset in zip([flag, *tensors], self._offsets[(owner, ref.index)]):
+                    state.put(tensor, owner, offset)
+        for ref in refs:  # the state now lives in the window only
+            self._proxies[ref].grad = None
+            optimizer.state.pop(self._proxies[ref], None)
+
+    def _saved(self, ref: RemoteRef, buffers: List[torch.Tensor]) -> List[torch.Tensor]:
+        """The tensors to write back for ``ref``'s state after a step."""
+        state = self._optimizer.state[self._proxies[ref]]
+        entries = self._entries[(ref.owner(), ref.index)]
+        unknown = set(state) - {e.key for e in entries}
+        if unknown:
+            raise RuntimeError(f"state entries {sorted(unknown)} appeared that were not there "
+                               "when the layout was learned")
+        return [e.save(state.get(e.key), b) for e, b in zip(entries, buffers)]
+
+    def state_of(self, ref: RemoteRef) -> Dict[str, Any]:
+        """``ref``'s optimizer state, fetched from its owner under a shared lock (``{}`` before
+        its first step). Not collective."""
+        key = (ref.owner(), ref.index)
+        if key not in self._offsets:
+            raise KeyError(f"{ref} is not a parameter of this DistributedOptimizer")
+        with self._state.locked(ref.owner()):
+            flag, *buffers = self._get_state(ref)
+        if not flag.item():
+            return {}
+        return {e.key: e.restore(b) for e, b in zip(self._entries[key], buffers)}
+
+    def close(self) -> None:
+        """Free the state window. Collective."""
+        self._state.free()
+
+    def __enter__(self) -> "DistributedOptimizer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"

@@ -1,0 +1,212 @@
+"""DistributedOptimizer over MPI windows: parity with the same torch.optim optimizer applied
+locally, concurrent trainers against an owner that does not call MPI, errors."""
+import time
+
+import pytest
+import torch
+
+from tensorplay_hpc.distributed import autograd, rma
+from tensorplay_hpc.distributed.optim import DistributedOptimizer
+
+CONFIGS = [
+    (torch.optim.SGD, dict(lr=0.1)),
+    (torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True)),
+    (torch.optim.SGD, dict(lr=0.05, momentum=0.8, dampening=0.3, weight_decay=0.01)),
+    (torch.optim.Adam, dict(lr=0.01, amsgrad=True)),
+    (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1)),
+    (torch.optim.Adagrad, dict(lr=0.1, lr_decay=0.01)),
+    (torch.optim.RMSprop, dict(lr=0.01, momentum=0.5, centered=True)),
+]
+STEPS = 4
+
+
+def initial_parameters(owner):
+    """What rank ``owner`` owns: the same values wherever they are made."""
+    generator = torch.Generator().manual_seed(100 + owner)
+    return [torch.randn(5, generator=generator), torch.randn(3, 4, generator=generator)]
+
+
+def loss_of(params, step):
+    """A loss whose gradient depends on the parameters and the step."""
+    return sum(((p.sin() + 0.1 * p ** 2) * (step + 1 + i)).sum() for i, p in enumerate(params))
+
+
+@pytest.mark.parametrize("optimizer_class,kwargs", CONFIGS,
+                         ids=[f"{c.__name__}-{'-'.join(k)}" for c, k in CONFIGS])
+def test_matches_the_same_optimizer_applied_locally(world, optimizer_class, kwargs):
+    rank, size = world.Get_rank(), world.Get_size()
+    target = (rank + 1) % size  # every rank trains the next rank's parameters, all at once
+    with rma.share(initial_parameters(rank)) as shared:
+        refs = shared.refs_of(target)
+        local = [p.requires_grad_() for p in initial_parameters(target)]
+        local_optimizer = optimizer_class(local, **kwargs)
+        with DistributedOptimizer(optimizer_class, refs, **kwargs) as optimizer:
+            for step in range(STEPS):
+                with autograd.context() as context_id:
+                    autograd.backward(context_id, [loss_of([r.to_here() for r in refs], step)])
+                    optimizer.step(context_id)
+                local_optimizer.zero_grad()
+                loss_of(local, step).backward()
+                local_optimizer.step()
+            for ref, expected in zip(refs, local):
+                assert torch.equal(ref.to_here(), expected.detach())
+                remote_state = optimizer.state_of(ref)
+                local_state = local_optimizer.state[expected]
+                assert remote_state.keys() == local_state.keys()
+                for key, value in local_state.items():
+                    assert torch.equal(torch.as_tensor(remote_state[key]), torch.as_tensor(value))
+            world.Barrier()  # nobody frees the windows while another rank still steps
+
+
+def test_parameter_without_gradient_stays_unchanged(world):
+    rank, size = world.Get_rank(), world.Get_size()
+    with rma.share(initial_parameters(rank)) as shared:
+        used, unused = shared.refs_of((rank + 1) % size)
+        with DistributedOptimizer(torch.optim.Adam, [used, unused], lr=0.1) as optimizer:
+            before = unused.to_here()
+            with autograd.context() as context_id:
+                autograd.backward(context_id, [used.to_here().sum()])
+                unused.to_here()  # fetched in the context, but no gradient reaches it
+                optimizer.step(context_id)
+            assert torch.equal(unused.to_here(), before)
+            assert optimizer.state_of(unused) == {}
+            assert optimizer.state_of(used)["step"].item() == 1.0
+            world.Barrier()
+
+
+class RejectsLargeGradients(torch.optim.SGD):
+    """SGD that refuses gradients above 1000."""
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.grad.abs().max() > 1000:
+                    raise ValueError("gradient above 1000")
+        return super().step(closure)
+
+
+def test_error_inside_a_step_reaches_the_caller(world):
+    rank, size = world.Get_rank(), world.Get_size()
+    owner = (rank + 1) % size
+    with rma.share([torch.ones(3)]) as shared:
+        [ref] = shared.refs_of(owner)
+        with DistributedOptimizer(RejectsLargeGradients, [ref], lr=1.0) as optimizer:
+            with autograd.context() as context_id:
+                autograd.backward(context_id, [ref.to_here().sum() * 1e6])
+                with pytest.raises(RuntimeError, match=(
+                        rf"rank {rank}: RejectsLargeGradients failed on parameters \[0\] of rank "
+                        rf"{owner}, which were left unchanged: gradient above 1000")) as info:
+                    optimizer.step(context_id)
+                assert isinstance(info.value.__cause__, ValueError)
+            assert torch.equal(ref.to_here(), torch.ones(3))
+            with autograd.context() as context_id:  # the locks were released: steps go on
+                autograd.backward(context_id, [ref.to_here().sum() * 2])
+                optimizer.step(context_id)
+            assert torch.equal(ref.to_here(), torch.full((3,), -1.0))
+            world.Barrier()
+
+
+def test_unknown_context_is_an_error(world):
+    with rma.share([torch.zeros(2)]) as shared:
+        with DistributedOptimizer(torch.optim.SGD, shared.refs, lr=0.1) as optimizer:
+            with pytest.raises(ValueError, match="unknown distributed autograd context id 4242"):
+                optimizer.step(4242)
+
+
+def test_bad_construction_is_reported(world):
+    with pytest.raises(ValueError, match="at least one remote reference"):
+        DistributedOptimizer(torch.optim.SGD, [], lr=0.1)
+    with rma.share([torch.zeros(2)]) as shared:
+        with pytest.raises(RuntimeError, match="SGD failed a step on a dummy"):
+            DistributedOptimizer(torch.optim.SGD, shared.refs, lr=-1.0)
+
+
+def owner_computes_without_mpi(param, expected, seconds=60.0):
+    """The owner's loop: reads its parameter locally, never calls MPI, until it holds
+    ``expected`` or time runs out. Returns the distinct values it saw."""
+    seen = set()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        value = param.sum().item() / param.numel()
+        seen.add(value)
+        if torch.equal(param, expected):
+            break
+        time.sleep(1e-4)
+    return seen
+
+
+@pytest.mark.mpi(min_size=2)
+def test_concurrent_trainers_never_lose_an_update(world):
+    rank, size = world.Get_rank(), world.Get_size()
+    steps, trainers = 50, size - 1
+    param = torch.full((1000,), 1000.0)
+    with rma.share([param] if rank == 0 else []) as shared:
+        [ref] = shared.refs
+        with DistributedOptimizer(torch.optim.SGD, [ref], lr=1.0) as optimizer:
+            world.Barrier()
+            if rank == 0:
+                expected = torch.full((1000,), 1000.0 - steps * trainers)
+                seen = owner_computes_without_mpi(param, expected)
+                assert torch.equal(param, expected), f"the owner saw {sorted(seen)}"
+            else:
+                for _ in range(steps):
+                    with autograd.context() as context_id:
+                        value = ref.to_here()
+                        # a reader never sees half an update: all elements agree
+                        assert torch.equal(value, value[0].expand_as(value))
+                        autograd.backward(context_id, [value.sum()])
+                        optimizer.step(context_id)
+            world.Barrier()
+            assert torch.equal(ref.to_here(), torch.full((1000,), 1000.0 - steps * trainers))
+            world.Barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_concurrent_adam_steps_continue_one_state(world):
+    rank, size = world.Get_rank(), world.Get_size()
+    steps, trainers = 30, size - 1
+    param = torch.full((64,), 2.0)
+    local = torch.full((64,), 2.0, requires_grad=True)
+    local_adam = torch.optim.Adam([local], lr=0.01)
+    for _ in range(steps * trainers):  # gradient 1 every time: the order of trainers is moot
+        local.grad = torch.ones(64)
+        local_adam.step()
+    with rma.share([param] if rank == 0 else []) as shared:
+        [ref] = shared.refs
+        with DistributedOptimizer(torch.optim.Adam, [ref], lr=0.01) as optimizer:
+            world.Barrier()
+            if rank == 0:
+                owner_computes_without_mpi(param, local.detach())
+            else:
+                for _ in range(steps):
+                    with autograd.context() as context_id:
+                        autograd.backward(context_id, [ref.to_here().sum()])
+                        optimizer.step(context_id)
+            world.Barrier()
+            if rank == 0:
+                state = optimizer.state_of(ref)
+                assert state["step"].item() == steps * trainers
+                assert torch.equal(state["exp_avg"], local_adam.state[local]["exp_avg"])
+                assert torch.equal(param, local.detach())
+            world.Barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_owner_reads_its_parameters_between_remote_updates(world):
+    rank = world.Get_rank()
+    weight = torch.nn.Parameter(torch.arange(4, dtype=torch.float32))
+    with rma.share([weight] if rank == 0 else []) as shared:
+        [ref] = shared.refs
+        with DistributedOptimizer(torch.optim.SGD, [ref], lr=0.5) as optimizer:
+            for step in range(3):
+                if rank == 1:
+                    with autograd.context() as context_id:
+                        autograd.backward(context_id, [ref.to_here().sum() * 2])
+                        optimizer.step(context_id)
+                world.Barrier()
+                if rank == 0:  # the owner's own model computes with the updated weight
+                    expected = torch.arange(4, dtype=torch.float32) - (step + 1)
+                    assert torch.equal(weight.detach(), expected)
+                    assert torch.equal(torch.nn.functional.linear(torch.ones(1, 4), weight[None]),
+                                       expected.sum().reshape(1, 1))
+                world.Barrier()
