@@ -6,8 +6,10 @@
 - :mod:`.chunking` splits messages longer than MPI's count limit;
 - :mod:`.flat_buffer` packs many tensors into one buffer;
 - :mod:`.collectives` and :mod:`.work` are the collectives, blocking or not;
+- :mod:`.agreement` turns a failure on one rank into the same error on all;
 - :mod:`.cuda` decides how GPU memory reaches MPI and which GPU a rank uses.
 """
+from .agreement import agree
 from .chunking import CHUNK_ENV, chunk_elements, chunks
 from .collectives import (all_gather, all_gather_v, all_reduce, all_reduce_coalesced, broadcast,
                           broadcast_coalesced, gather, reduce_scatter)
@@ -20,7 +22,7 @@ from .work import Work
 
 __all__ = [
     "CHUNK_ENV", "CUDA_AWARE_ENV", "FlatBuffer", "ProcessGroup", "ReduceOp", "Staged", "Work",
-    "all_gather", "all_gather_v", "all_reduce", "all_reduce_coalesced", "broadcast",
+    "agree", "all_gather", "all_gather_v", "all_reduce", "all_reduce_coalesced", "broadcast",
     "broadcast_coalesced", "chunk_elements", "chunks", "device_for_rank", "gather",
     "group_by_dtype_device", "is_cuda_aware", "is_member", "local_rank", "memory",
     "pack_by_dtype_device", "reduce_scatter", "resolve",

@@ -1,0 +1,78 @@
+"""Checkpoint files on disk: temporary names, the atomic rename, pruning and finding the newest."""
+from __future__ import annotations
+
+import os
+import uuid
+from typing import List, Optional
+
+import h5py
+
+from . import format as fmt
+
+TEMP_MARK = ".tmp-"
+
+
+def temporary_name(path: str) -> str:
+    """A fresh name in the same folder, so the final rename stays on one file system."""
+    return f"{path}{TEMP_MARK}{uuid.uuid4().hex[:12]}"
+
+
+def _fsync(path: str, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit(temporary: str, path: str) -> None:
+    """Make a completely written file the checkpoint at ``path``, atomically and durably."""
+    _fsync(temporary)
+    os.replace(temporary, path)
+    _fsync(os.path.dirname(os.path.abspath(path)) or ".", directory=True)
+
+
+def discard(temporary: str) -> None:
+    try:
+        os.remove(temporary)
+    except FileNotFoundError:
+        pass
+
+
+def _is_checkpoint(path: str) -> bool:
+    try:
+        with h5py.File(path, "r") as f:
+            return (f.attrs.get("format") == fmt.FORMAT
+                    and int(f.attrs.get("format_version", -1)) <= fmt.FORMAT_VERSION)
+    except (OSError, KeyError, ValueError):
+        return False
+
+
+def checkpoints(directory: str) -> List[str]:
+    """The readable checkpoint files in ``directory``, oldest first (by step, then time)."""
+    if not os.path.isdir(directory):
+        return []
+    found = []
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if name.endswith(fmt.SUFFIX) and TEMP_MARK not in name and _is_checkpoint(path):
+            with h5py.File(path, "r") as f:
+                step = int(f.attrs.get("step", -1))
+            found.append((step, os.path.getmtime(path), path))
+    return [path for _, _, path in sorted(found)]
+
+
+def latest(directory: str) -> Optional[str]:
+    """The newest readable checkpoint in ``directory``, or ``None``. Not collective."""
+    found = checkpoints(directory)
+    return found[-1] if found else None
+
+
+def prune(directory: str, keep: int) -> List[str]:
+    """Delete all but the newest ``keep`` checkpoints in ``directory``; return those deleted."""
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1, got {keep}")
+    old = checkpoints(directory)[:-keep]
+    for path in old:
+        os.remove(path)
+    return old

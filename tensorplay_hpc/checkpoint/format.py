@@ -1,0 +1,92 @@
+"""The checkpoint file format: names, attributes and how tensors become HDF5 datasets.
+
+One HDF5 file per checkpoint::
+
+    /                         attrs: format, format_version, package_version, torch_version,
+                                     world_size, step, created
+    /model/<name>             each parameter and buffer of model.state_dict(), by name
+    /optimizer                attrs: class, kind, param_groups (JSON), and kind-specific values
+    /optimizer/state/<i>/<k>  optimizer state of global parameter index i, key k
+    /extra/rank<r>/<k>        the user's extra values saved by rank r (tensors as datasets,
+                              everything else in the group's "values" attribute)
+
+Every dataset has the attributes ``torch_dtype`` and ``crc32`` (of its raw bytes). bfloat16,
+which HDF5 lacks, is stored as its raw 16-bit words (``uint16``).
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Optional
+
+import numpy as np
+import torch
+
+FORMAT = "tensorplay_hpc-checkpoint"
+FORMAT_VERSION = 1
+SUFFIX = ".h5"
+
+_STORED_AS = {torch.bfloat16: torch.int16}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message names the file and the problem."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"unknown tensor dtype {name!r} in checkpoint")
+    return dtype
+
+
+def numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    """The numpy (and so HDF5) dtype a tensor of ``dtype`` is stored as."""
+    stored = _STORED_AS.get(dtype, dtype)
+    return torch.empty(0, dtype=stored).numpy().dtype
+
+
+def to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A contiguous host array of the tensor's raw values (zero-copy for contiguous CPU tensors)."""
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    tensor = tensor.contiguous()
+    stored = _STORED_AS.get(tensor.dtype)
+    if stored is not None:
+        tensor = tensor.view(stored)
+    return tensor.numpy()
+
+
+def from_numpy(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """The tensor stored in ``array`` (as written by :func:`to_numpy`)."""
+    array = np.array(array, copy=None, order="C", ndmin=0)   # keeps 0-d scalars 0-d
+    tensor = torch.from_numpy(array)
+    return tensor.view(dtype) if dtype in _STORED_AS else tensor
+
+
+def checksum(array: np.ndarray) -> int:
+    """CRC-32 of an array's raw bytes."""
+    return zlib.crc32(memoryview(np.ascontiguousarray(array)).cast("B")) & 0xFFFFFFFF
+
+
+def model_name(key: str) -> str:
+    return f"model/{key}"
+
+
+def state_name(index: int, key: str) -> str:
+    return f"optimizer/state/{index}/{key}"
+
+
+def extra_group(rank: int) -> str:
+    return f"extra/rank{rank}"
+
+
+def unwrap_model(model: Optional[torch.nn.Module]) -> Optional[torch.nn.Module]:
+    """The module inside a data-parallel wrapper."""
+    while model is not None and hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
