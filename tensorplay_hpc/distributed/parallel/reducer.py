@@ -271,7 +271,7 @@ class Reducer:
             self._reset()
         if missing and not self.find_unused_parameters:
             raise RuntimeError(
-                f"DistributedDataParallel: on rank {self.comm.Get_rank()} parameters received no "
+                f"DistributedDataParallel: on rank {self.comm.Get_rank()}, parameters received no "
                 f"gradient in the backward pass: {[self.names[i] for i in missing]}. Pass "
                 "find_unused_parameters=True if some parameters are not used in the loss "
                 "(the other ranks' gradients were averaged with zeros for them).")

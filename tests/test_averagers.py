@@ -1,0 +1,180 @@
+"""Model averagers: schedules, groups, inputs, and parity with PyTorch's over gloo."""
+from collections import OrderedDict
+
+import pytest
+import torch
+from mpi4py import MPI
+
+from tensorplay_hpc.distributed.algorithms.model_averaging import averagers, utils
+from tensorplay_hpc.distributed.algorithms.model_averaging.hierarchical_model_averager import (
+    HierarchicalModelAverager)
+
+
+def _param(value, dtype=torch.float32, grad=True):
+    p = torch.nn.Parameter(torch.full((3,), float(value), dtype=dtype))
+    if grad:
+        p.grad = torch.zeros_like(p)
+    return p
+
+
+def _averaged_steps(averager, world, steps=20):
+    """The steps at which ``averager`` averaged a parameter reset to the world rank each step."""
+    rank, size = world.Get_rank(), world.Get_size()
+    p = _param(rank)
+    averaged = {}
+    for step in range(steps):
+        p.data.fill_(rank)
+        averager.average_parameters([p])
+        if p[0].item() != rank:
+            averaged[step] = p[0].item()
+            torch.testing.assert_close(p.data, torch.full((3,), p[0].item()))
+    return averaged
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("warmup, expected", [(12, [12, 16]), (13, [13, 17]), (14, [14, 18]),
+                                              (15, [15, 19])])
+def test_periodic_schedule(world, warmup, expected):
+    averager = averagers.PeriodicModelAverager(period=4, warmup_steps=warmup)
+    averaged = _averaged_steps(averager, world)
+    mean = (world.Get_size() - 1) / 2
+    assert averaged == {step: mean for step in expected}
+    assert averager.step == 20
+
+
+def test_periodic_arguments(world):
+    with pytest.raises(ValueError, match="period"):
+        averagers.PeriodicModelAverager(period=0)
+    with pytest.raises(ValueError, match="warmup_steps"):
+        averagers.PeriodicModelAverager(period=2, warmup_steps=-1)
+    with pytest.warns(UserWarning, match="period of 1"):
+        averagers.PeriodicModelAverager(period=1)
+    with pytest.raises(TypeError):
+        averagers.ModelAverager()
+
+
+def test_param_groups_mixed_dtypes_only_with_grad(world):
+    rank, size = world.Get_rank(), world.Get_size()
+    a, b = _param(rank), _param(2 * rank, torch.float64)
+    c = _param(rank, grad=False)                     # no gradient: not averaged
+    d = _param(10 * rank, torch.bfloat16)
+    groups = [{"params": [a, b], "lr": 0.1}, {"params": [c, d]}]
+    utils.average_parameters(groups, None)
+    mean = (size - 1) / 2
+    torch.testing.assert_close(a.data, torch.full((3,), mean))
+    torch.testing.assert_close(b.data, torch.full((3,), 2 * mean, dtype=torch.float64))
+    torch.testing.assert_close(c.data, torch.full((3,), float(rank)))
+    torch.testing.assert_close(d.data, torch.full((3,), 10 * mean, dtype=torch.bfloat16))
+    utils.average_parameters_or_parameter_groups([a], MPI.COMM_WORLD)
+    torch.testing.assert_close(a.data, torch.full((3,), mean))
+    with pytest.raises(NotImplementedError, match="param-group dicts"):
+        utils.average_parameters([3.0], None)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_subgroup_averages_others_keep_values(world):
+    rank = world.Get_rank()
+    sub = world.Split(0 if rank < 2 else MPI.UNDEFINED, rank)
+    p = _param(rank)
+    for _ in range(2):   # the private duplicate is cached: the second call reuses it
+        utils.average_parameters([p], sub)
+    torch.testing.assert_close(p.data, torch.full((3,), 0.5 if rank < 2 else float(rank)))
+    averager = averagers.PeriodicModelAverager(period=2, process_group=sub)
+    q = _param(rank)
+    averager.average_parameters([q])
+    torch.testing.assert_close(q.data, torch.full((3,), 0.5 if rank < 2 else float(rank)))
+    assert averager.step == 1
+    averager.close()
+    if sub != MPI.COMM_NULL:
+        sub.Free()
+
+
+@pytest.mark.mpi(min_size=4)
+def test_hierarchical_schedule_and_groups(world):
+    if world.Get_size() != 4:
+        pytest.skip("the schedule below is written for 4 ranks")
+    rank = world.Get_rank()
+    averager = HierarchicalModelAverager(OrderedDict([(2, 2), (4, 4)]), warmup_steps=10)
+    pair, whole = averager.period_process_group_dict[2], averager.period_process_group_dict[4]
+    members = pair.Get_group().Translate_ranks(list(range(2)), world.Get_group())
+    assert list(members) == [2 * (rank // 2), 2 * (rank // 2) + 1]
+    assert whole.Get_size() == 4
+    pair_mean = 0.5 if rank < 2 else 2.5
+    assert _averaged_steps(averager, world) == {10: pair_mean, 12: 1.5, 14: pair_mean,
+                                                 16: 1.5, 18: pair_mean}
+    averager.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_hierarchical_one_level_equals_periodic(world):
+    size = world.Get_size()
+    hierarchical = HierarchicalModelAverager({4: size}, warmup_steps=8)
+    periodic = averagers.PeriodicModelAverager(4, warmup_steps=8)
+    assert _averaged_steps(hierarchical, world) == _averaged_steps(periodic, world)
+    assert hierarchical.step == periodic.step == 20
+    assert sorted(_averaged_steps(averagers.PeriodicModelAverager(4, 8), world)) == [8, 12, 16]
+    assert sorted(_averaged_steps(HierarchicalModelAverager({4: size}), world)) == [0, 4, 8, 12, 16]
+    # Like PyTorch: the hierarchical test is step % period, not (step - warmup) % period.
+    assert sorted(_averaged_steps(HierarchicalModelAverager({4: size}, 10), world)) == [12, 16]
+    assert sorted(_averaged_steps(averagers.PeriodicModelAverager(4, 10), world)) == [10, 14, 18]
+
+
+def test_hierarchical_arguments(world):
+    size = world.Get_size()
+    with pytest.raises(ValueError, match="must not be empty"):
+        HierarchicalModelAverager(OrderedDict())
+    with pytest.raises(ValueError, match="must be positive"):
+        HierarchicalModelAverager(OrderedDict([(0, 1), (4, size)]))
+    with pytest.raises(ValueError, match="last value"):
+        HierarchicalModelAverager(OrderedDict([(2, size + 1)]))
+    with pytest.raises(ValueError, match="warmup_steps"):
+        HierarchicalModelAverager({2: size}, warmup_steps=-1)
+    with pytest.warns(UserWarning, match="period of 1"):
+        HierarchicalModelAverager({1: size})
+    if size == 4:
+        with pytest.raises(ValueError, match="divide"):
+            HierarchicalModelAverager(OrderedDict([(2, 3), (4, 4)]))
+
+
+def _torch_and_ours(world, gloo, make_torch, make_ours, steps=12):
+    """Local SGD on per-rank data, averaged by PyTorch's averager and by ours."""
+    rank = world.Get_rank()
+    models = []
+    for make in (make_torch, make_ours):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        generator = torch.Generator().manual_seed(rank)
+        averager = make()
+        for _ in range(steps):
+            x, y = torch.randn(5, 4, generator=generator), torch.randn(5, 2, generator=generator)
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            averager.average_parameters(model.parameters())
+        models.append(model)
+    for theirs, ours in zip(*(m.parameters() for m in models)):
+        torch.testing.assert_close(ours, theirs)
+    return models
+
+
+@pytest.mark.mpi(min_size=2)
+def test_periodic_matches_torch(world, gloo):
+    from torch.distributed.algorithms.model_averaging import averagers as torch_averagers
+    torch_model, _ = _torch_and_ours(
+        world, gloo, lambda: torch_averagers.PeriodicModelAverager(period=3, warmup_steps=2),
+        lambda: averagers.PeriodicModelAverager(period=3, warmup_steps=2))
+    # The last averaging was at step 11: every rank holds the same model.
+    first = torch_model[0].weight.detach()
+    gathered = world.allgather(first.clone())
+    torch.testing.assert_close(gathered[0], gathered[-1])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_hierarchical_matches_torch(world, gloo):
+    from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import (
+        HierarchicalModelAverager as TorchHierarchical)
+    size = world.Get_size()
+    levels = OrderedDict([(2, size // 2), (3, size)])
+    _torch_and_ours(world, gloo, lambda: TorchHierarchical(levels, warmup_steps=3),
+                    lambda: HierarchicalModelAverager(levels, warmup_steps=3))
