@@ -1,0 +1,71 @@
+"""The settings of a training run, with the defaults of ``tensorplay-hpc train``."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+OPTIMIZERS = ("zero", "postlocal", "ddp", "local")
+INNER_OPTIMIZERS = ("sgd", "adam", "adamw")
+DEVICES = ("cpu", "cuda")
+
+# Settings that must match between a checkpoint and the run resuming from it.
+_MODEL_SHAPE = ("layers", "width", "heads", "context")
+
+
+@dataclass
+class TrainConfig:
+    """What to train, how, and where the files go (see ``tensorplay-hpc train --help``)."""
+
+    optimizer: str = "zero"
+    inner: str = "adamw"
+    lr: float = 3e-3
+    batch_size: int = 32
+    layers: int = 2
+    width: int = 128
+    heads: int = 4
+    context: int = 64
+    steps: int = 300
+    average_period: int = 4
+    warmup_steps: int = 50
+    eval_every: int = 50
+    eval_batches: int = 4
+    run_dir: Path = Path("run")
+    checkpoint_dir: Optional[Path] = None
+    checkpoint_every: int = 100
+    keep: int = 3
+    resume: bool = False
+    device: str = "cpu"
+    seed: int = 0
+    threads: int = 0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        self.run_dir = Path(self.run_dir)
+        self.checkpoint_dir = Path(self.checkpoint_dir or self.run_dir / "checkpoints")
+        choices = {"optimizer": OPTIMIZERS, "inner": INNER_OPTIMIZERS, "device": DEVICES}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"--{name} must be one of {', '.join(allowed)}, "
+                                 f"got {getattr(self, name)!r}")
+        for name in ("batch_size", "layers", "width", "heads", "context", "average_period",
+                     "eval_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, "
+                                 f"got {getattr(self, name)}")
+        for name in ("steps", "warmup_steps", "eval_every", "checkpoint_every", "keep", "threads"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must not be negative, "
+                                 f"got {getattr(self, name)}")
+
+    def describe(self) -> Dict[str, Any]:
+        """The settings as plain values, for a checkpoint's ``extra``."""
+        return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()
+                if v is not None}
+
+    def check_resumable(self, saved: Dict[str, Any]) -> None:
+        """Raise ``ValueError`` when a checkpoint's model shape differs from this run's."""
+        for name in _MODEL_SHAPE:
+            if saved.get(name) != getattr(self, name):
+                raise ValueError(f"the checkpoint has --{name} {saved.get(name)}, this run "
+                                 f"--{name} {getattr(self, name)}: resume with the same model shape")

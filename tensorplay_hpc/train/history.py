@@ -1,0 +1,58 @@
+"""The run's metrics: loss per step, validation loss, throughput and restarts.
+
+The history travels in every checkpoint's ``extra``, so a resumed run continues the same curve
+and the CSV always matches the checkpointed state.
+"""
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List
+
+
+@dataclass
+class History:
+    """Metrics of the steps done so far (all runs of a job, restarts included)."""
+
+    losses: List[float] = field(default_factory=list)
+    """Mean training loss over the ranks, one per step (``losses[s]`` is step ``s + 1``)."""
+    tokens_per_second: List[float] = field(default_factory=list)
+    validation: Dict[int, float] = field(default_factory=dict)
+    """Validation loss by the step after which it was measured."""
+    restarts: List[int] = field(default_factory=list)
+    """Steps at which a run resumed from a checkpoint."""
+
+    @property
+    def step(self) -> int:
+        """Steps done so far."""
+        return len(self.losses)
+
+    def to_extra(self) -> Dict[str, Any]:
+        """Plain values for a checkpoint's ``extra``."""
+        return {"losses": list(self.losses), "tokens_per_second": list(self.tokens_per_second),
+                "validation_steps": list(self.validation), "validation_losses":
+                list(self.validation.values()), "restarts": list(self.restarts)}
+
+    @classmethod
+    def from_extra(cls, extra: Dict[str, Any]) -> "History":
+        """The history saved by :meth:`to_extra`."""
+        def floats(key: str) -> List[float]:
+            return [float(v) for v in extra.get(key, [])]
+        steps = [int(s) for s in extra.get("validation_steps", [])]
+        return cls(losses=floats("losses"), tokens_per_second=floats("tokens_per_second"),
+                   validation=dict(zip(steps, floats("validation_losses"))),
+                   restarts=[int(s) for s in extra.get("restarts", [])])
+
+    def write_csv(self, path: Path) -> None:
+        """One row per step: ``step,loss,validation_loss,tokens_per_second,restart``."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        restarts = set(self.restarts)
+        with open(path, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["step", "loss", "validation_loss", "tokens_per_second", "restart"])
+            for index, (loss, speed) in enumerate(zip(self.losses, self.tokens_per_second)):
+                step = index + 1
+                validation = self.validation.get(step)
+                writer.writerow([step, f"{loss:.6f}", "" if validation is None else f"{validation:.6f}",
+                                 f"{speed:.1f}", int(step - 1 in restarts)])

@@ -1,0 +1,230 @@
+"""The training loop: data-parallel steps, checkpoints, preemption and resume, outputs."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from mpi4py import MPI
+
+from tensorplay_hpc import checkpoint, comm
+
+from . import strategy as strategies
+from .config import TrainConfig
+from .data import VOCAB_SIZE, Corpus, batch_for_rank, validation_batches
+from .history import History
+from .model import CharTransformer, next_token_loss
+from .plot import plot_losses
+from .preemption import EXIT_PREEMPTED, Preemption
+from .progress import Progress
+
+METRICS_FILE = "metrics.csv"
+PLOT_FILE = "loss.png"
+
+
+@dataclass
+class Outcome:
+    """How a run ended. ``exit_code`` is 0, or :data:`EXIT_PREEMPTED` after a signal."""
+
+    steps: int
+    loss: float
+    validation_loss: Optional[float]
+    tokens_per_second: float
+    checkpoint: Optional[str]
+    exit_code: int
+
+
+def _threads_per_rank(world: MPI.Intracomm, requested: int) -> int:
+    if requested:
+        return requested
+    node = world.Split_type(MPI.COMM_TYPE_SHARED)
+    ranks_here = node.Get_size()
+    node.Free()
+    return max(1, len(os.sched_getaffinity(0)) // ranks_here)
+
+
+def _device(config: TrainConfig, world: MPI.Intracomm) -> torch.device:
+    if config.device == "cpu":
+        return torch.device("cpu")
+    device = comm.device_for_rank(world)
+    if device.type != "cuda":
+        raise RuntimeError(f"--device cuda, but rank {world.Get_rank()} sees no GPU")
+    torch.cuda.set_device(device)
+    return device
+
+
+class Run:
+    """One training run on every rank of ``world``: build, maybe resume, train, report.
+
+    Collective: construct it and call :meth:`train` on every rank.
+    """
+
+    def __init__(self, config: TrainConfig, world: MPI.Intracomm = MPI.COMM_WORLD) -> None:
+        self.config = config
+        self.group = comm.ProcessGroup(world)
+        self.world = world
+        torch.set_num_threads(_threads_per_rank(world, config.threads))
+        self.device = _device(config, world)
+        self.corpus = Corpus.from_stdlib()
+        torch.manual_seed(config.seed)
+        module = CharTransformer(VOCAB_SIZE, config.context, config.width, config.layers,
+                                 config.heads).to(self.device)
+        self.strategy = strategies.build(module, config, self.group)
+        self.history = History()
+        self.last_checkpoint: Optional[str] = None
+        self.validation = [tuple(t.to(self.device) for t in batch) for batch in validation_batches(
+            self.corpus.validation, seed=config.seed, batches=config.eval_batches,
+            batch_size=config.batch_size, context=config.context, rank=self.group.rank,
+            world_size=self.group.size)]
+
+    # -- pieces -----------------------------------------------------------------------------
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.config.batch_size * self.config.context
+
+    def _say(self, line: str) -> None:
+        if self.group.rank == 0:
+            print(line, flush=True)
+
+    def _introduce(self) -> None:
+        config, parameters = self.config, sum(p.numel() for p in self.strategy.module.parameters())
+        self._say(f"tensorplay-hpc train: {self.group.size} ranks on {self.device.type}, "
+                  f"--optimizer {config.optimizer} --inner {config.inner} --lr {config.lr}, "
+                  f"{parameters / 1e6:.2f}M parameters ({config.layers} layers, width "
+                  f"{config.width}, {config.heads} heads, context {config.context})")
+        self._say(f"corpus: Python {sys.version_info.major}.{sys.version_info.minor} standard "
+                  f"library, {self.corpus.files} files: {self.corpus.train.numel() / 1e6:.1f} MB "
+                  f"train, {self.corpus.validation.numel() / 1e6:.1f} MB validation; "
+                  f"{config.steps} steps of {config.batch_size} x {config.context} bytes")
+
+    def _resume(self) -> None:
+        path = checkpoint.latest(str(self.config.checkpoint_dir)) if self.group.rank == 0 else None
+        path = self.group.comm.bcast(path, root=0)
+        if path is None:
+            self._say(f"--resume: no checkpoint in {self.config.checkpoint_dir}, starting at step 0")
+            return
+        extra = checkpoint.load(path, model=self.strategy.module, optimizer=self.strategy.optimizer,
+                                process_group=self.world)
+        self.config.check_resumable(extra["config"])
+        self.history = History.from_extra(extra["history"])
+        self.history.restarts.append(self.history.step)
+        self.strategy.resumed_at(self.history.step)
+        self.last_checkpoint = path
+        saved_ranks = int(extra["config"].get("ranks", self.group.size))
+        note = ("" if saved_ranks == self.group.size else
+                f" (saved by {saved_ranks} ranks: losses will differ from an uninterrupted run)")
+        self._say(f"resumed from {path} at step {self.history.step}{note}")
+
+    def _validate(self) -> float:
+        module = self.strategy.module
+        module.eval()
+        with torch.no_grad():
+            losses = torch.stack([next_token_loss(module, x, y) for x, y in self.validation])
+        module.train()
+        mean = losses.mean().double().cpu().reshape(1)
+        comm.all_reduce(mean, self.group.comm, comm.ReduceOp.AVG)
+        return mean.item()
+
+    def _save(self, progress: Progress, reason: str) -> None:
+        step = self.history.step
+        path = self.config.checkpoint_dir / f"step-{step:07d}.h5"
+        started = time.perf_counter()
+        extra = {"step": step, "config": {**self.config.describe(), "ranks": self.group.size},
+                 "history": self.history.to_extra()}
+        self.last_checkpoint = checkpoint.save(
+            str(path), model=self.strategy.module, optimizer=self.strategy.optimizer,
+            extra=extra, process_group=self.world, keep=self.config.keep or None)
+        progress.say(f"checkpoint at step {step} ({reason}): {self.last_checkpoint} "
+                     f"in {time.perf_counter() - started:.1f} s")
+        self._write_outputs()
+
+    def _write_outputs(self) -> None:
+        if self.group.rank != 0:
+            return
+        self.history.write_csv(self.config.run_dir / METRICS_FILE)
+        c = self.config
+        plot_losses(self.history, self.config.run_dir / PLOT_FILE,
+                    f"{self.group.size} ranks, --optimizer {c.optimizer} --inner {c.inner}, "
+                    f"{c.layers}x{c.width} transformer")
+
+    def _step(self, step: int) -> float:
+        config, s = self.config, self.strategy
+        inputs, targets = (t.to(self.device) for t in batch_for_rank(
+            self.corpus.train, seed=config.seed, step=step, batch_size=config.batch_size,
+            context=config.context, rank=self.group.rank, world_size=self.group.size))
+        s.optimizer.zero_grad(set_to_none=True)
+        loss = next_token_loss(s.model, inputs, targets)
+        loss.backward()
+        s.after_backward()
+        s.optimizer.step()
+        return loss.item()
+
+    # -- the run ----------------------------------------------------------------------------
+
+    def train(self) -> Outcome:
+        """Train to ``config.steps``, checkpointing every ``checkpoint_every`` steps, at a
+        signal and at the end. Collective."""
+        config = self.config
+        self._introduce()
+        if config.resume:
+            self._resume()
+        progress = Progress(self.group.rank, config.steps, self.history.step, bar=config.progress)
+        seconds, steps_here, exit_code = 0.0, 0, 0
+        with Preemption() as preemption:
+            while self.history.step < config.steps:
+                started = time.perf_counter()
+                local_loss = self._step(self.history.step)
+                loss, stop = preemption.agree(local_loss, self.group.comm)
+                seconds += time.perf_counter() - started
+                steps_here += 1
+                speed = steps_here * self.tokens_per_step / seconds
+                self.history.losses.append(loss)
+                self.history.tokens_per_second.append(speed)
+                progress.step(loss, speed)
+                done = self.history.step
+                if (config.eval_every and done % config.eval_every == 0) or done == config.steps:
+                    self.history.validation[done] = self._validate()
+                if stop:
+                    progress.say(f"{preemption.name}: stopping at step {done} of {config.steps}")
+                    self._save(progress, "preempted")
+                    exit_code = EXIT_PREEMPTED
+                    break
+                if done == config.steps or (config.checkpoint_every and done % config.checkpoint_every == 0):
+                    self._save(progress, "final" if done == config.steps else "periodic")
+        progress.close()
+        self._write_outputs()
+        outcome = Outcome(
+            steps=self.history.step, loss=self.history.losses[-1] if self.history.losses else float("nan"),
+            validation_loss=self.history.validation.get(self.history.step),
+            tokens_per_second=steps_here * self.tokens_per_step / seconds if seconds else 0.0,
+            checkpoint=self.last_checkpoint, exit_code=exit_code)
+        self._summarize(outcome)
+        return outcome
+
+    def _summarize(self, outcome: Outcome) -> None:
+        config, run_dir = self.config, self.config.run_dir
+        if outcome.exit_code == EXIT_PREEMPTED:
+            self._say(f"preempted at step {outcome.steps}: exit code {EXIT_PREEMPTED}; "
+                      f"run again with --resume to continue from {outcome.checkpoint}")
+            return
+        validation = ("" if outcome.validation_loss is None
+                      else f", validation {outcome.validation_loss:.4f}")
+        first = self.history.losses[0] if self.history.losses else float("nan")
+        self._say(f"done: {outcome.steps} steps; loss {first:.4f} at step 1 -> train "
+                  f"{outcome.loss:.4f}{validation} (nats per byte)")
+        if outcome.tokens_per_second:
+            self._say(f"throughput: {outcome.tokens_per_second:,.0f} tokens/s on {self.group.size} "
+                      f"ranks ({outcome.tokens_per_second / self.group.size:,.0f} per rank)")
+        self._say(f"metrics: {run_dir / METRICS_FILE}")
+        self._say(f"plot: {run_dir / PLOT_FILE}")
+        self._say(f"checkpoints: {config.checkpoint_dir} (latest {outcome.checkpoint})")
+
+
+def train(config: TrainConfig, world: MPI.Intracomm = MPI.COMM_WORLD) -> Outcome:
+    """Run :class:`Run` for ``config`` on every rank of ``world``. Collective."""
+    return Run(config, world).train()
+
