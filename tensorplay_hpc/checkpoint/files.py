@@ -62,10 +62,23 @@ def checkpoints(directory: str) -> List[str]:
     return [path for _, _, path in sorted(found)]
 
 
-def latest(directory: str) -> Optional[str]:
-    """The newest readable checkpoint in ``directory``, or ``None``. Not collective."""
-    found = checkpoints(directory)
-    return found[-1] if found else None
+def latest(directory: str, verify: bool = True) -> Optional[str]:
+    """The newest good checkpoint in ``directory``, or ``None``. Not collective.
+
+    With ``verify`` (the default) every checksum of a candidate is checked, newest first, so a
+    damaged file is passed over for the one before it.
+    """
+    from .reader import Reader
+    for path in reversed(checkpoints(directory)):
+        if not verify:
+            return path
+        try:
+            with Reader(path) as reader:
+                reader.verify()
+            return path
+        except fmt.CheckpointError:
+            continue
+    return None
 
 
 def prune(directory: str, keep: int) -> List[str]:

@@ -71,6 +71,14 @@ class Reader:
     def shape(self, name: str) -> tuple:
         return self.file[name].shape
 
+    def verify(self) -> int:
+        """Read every dataset and check its checksum; return how many there are."""
+        names: List[str] = []
+        self.file.visititems(lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None)
+        for name in names:
+            self.tensor(name)
+        return len(names)
+
     def tensor(self, name: str) -> torch.Tensor:
         """Read dataset ``name`` as a tensor, verifying its checksum."""
         try:

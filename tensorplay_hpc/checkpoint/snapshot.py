@@ -40,40 +40,35 @@ def _step_of(extra: Optional[Dict[str, Any]], attrs: Dict[str, Any]) -> int:
     return -1
 
 
-def take(rank: int, size: int, model: Optional[torch.nn.Module] = None,
-         optimizer: Optional[torch.optim.Optimizer] = None,
-         extra: Optional[Dict[str, Any]] = None) -> Snapshot:
-    """This rank's share of the checkpoint of ``model``, ``optimizer`` and ``extra``.
+def add_model(snap: Snapshot, entries: Dict[str, torch.Tensor], rank: int, size: int,
+              class_name: str) -> None:
+    """Model entries are replicated: the ranks split the writing by bytes."""
+    items = list(entries.items())
+    writers = assign_writers([t.numel() * t.element_size() for _, t in items], size)
+    snap.datasets += [(fmt.model_name(k), t) for (k, t), w in zip(items, writers) if w == rank]
+    if rank == 0:
+        snap.set("model", **{"class": class_name, "entries": len(items)})
 
-    Model entries are replicated, so the ranks split them by bytes; optimizer state follows the
-    optimizer's own ownership; ``extra`` is saved per rank.
-    """
-    snap = Snapshot()
-    model = fmt.unwrap_model(model)
-    if model is not None:
-        entries = list(model.state_dict().items())
-        writers = assign_writers([t.numel() * t.element_size() for _, t in entries], size)
-        snap.datasets += [(fmt.model_name(k), t) for (k, t), w in zip(entries, writers) if w == rank]
-        if rank == 0:
-            snap.set("model", **{"class": type(model).__qualname__, "entries": len(entries)})
 
-    optimizer_attrs: Dict[str, Any] = {}
-    if optimizer is not None:
-        adapter = adapter_for(optimizer)
-        optimizer_attrs = adapter.attributes()
-        for index, state in sorted(adapter.state_to_write(rank, size).items()):
-            plain = {}
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor):
-                    snap.datasets.append((fmt.state_name(index, str(key)), value))
-                else:
-                    plain[str(key)] = value
-            snap.set(f"optimizer/state/{index}", values=values.dumps(plain))
-        if rank == 0:
-            snap.set("optimizer", **{"class": adapter.optimizer_class, "kind": adapter.kind,
-                                     "param_groups": values.dumps(adapter.param_groups()),
-                                     "attributes": values.dumps(optimizer_attrs)})
+def add_optimizer(snap: Snapshot, state: Dict[int, Dict[str, Any]], rank: int, kind: str,
+                  optimizer_class: str, param_groups: List[dict], attributes: Dict[str, Any]) -> None:
+    """``state``: the state this rank writes, by global index; the rest is rank 0's to say."""
+    for index, entry in sorted(state.items()):
+        plain = {}
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                snap.datasets.append((fmt.state_name(index, str(key)), value))
+            else:
+                plain[str(key)] = value
+        snap.set(f"optimizer/state/{index}", values=values.dumps(plain))
+    if rank == 0:
+        snap.set("optimizer", **{"class": optimizer_class, "kind": kind,
+                                 "param_groups": values.dumps(param_groups),
+                                 "attributes": values.dumps(attributes)})
 
+
+def add_extra(snap: Snapshot, extra: Optional[Dict[str, Any]], rank: int) -> None:
+    """This rank's extras: tensors and arrays as datasets, the rest as JSON values."""
     group = fmt.extra_group(rank)
     plain = {}
     for key, value in (extra or {}).items():
@@ -85,9 +80,33 @@ def take(rank: int, size: int, model: Optional[torch.nn.Module] = None,
             plain[key] = value
     snap.set(group, values=values.dumps(plain))
 
+
+def add_metadata(snap: Snapshot, rank: int, size: int, step: int) -> None:
     if rank == 0:
         snap.set("", format=fmt.FORMAT, format_version=fmt.FORMAT_VERSION,
                  package_version=_package_version(), torch_version=str(torch.__version__),
-                 world_size=size, step=_step_of(extra, optimizer_attrs),
+                 world_size=size, step=step,
                  created=datetime.datetime.now(datetime.timezone.utc).isoformat())
+
+
+def take(rank: int, size: int, model: Optional[torch.nn.Module] = None,
+         optimizer: Optional[torch.optim.Optimizer] = None,
+         extra: Optional[Dict[str, Any]] = None) -> Snapshot:
+    """This rank's share of the checkpoint of ``model``, ``optimizer`` and ``extra``.
+
+    Model entries are replicated, so the ranks split them by bytes; optimizer state follows the
+    optimizer's own ownership; ``extra`` is saved per rank.
+    """
+    snap = Snapshot()
+    model = fmt.unwrap_model(model)
+    if model is not None:
+        add_model(snap, model.state_dict(), rank, size, type(model).__qualname__)
+    attributes: Dict[str, Any] = {}
+    if optimizer is not None:
+        adapter = adapter_for(optimizer)
+        attributes = adapter.attributes()
+        add_optimizer(snap, adapter.state_to_write(rank, size), rank, adapter.kind,
+                      adapter.optimizer_class, adapter.param_groups(), attributes)
+    add_extra(snap, extra, rank)
+    add_metadata(snap, rank, size, _step_of(extra, attributes))
     return snap

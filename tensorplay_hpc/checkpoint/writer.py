@@ -128,17 +128,20 @@ def write(path: str, snapshot: Snapshot, comm: MPI.Intracomm, keep: Optional[int
                           "by rank (install h5py against parallel HDF5 for parallel writes)",
                           RuntimeWarning, stacklevel=3)
         error = _write_serial(temporary, layout, attributes, arrays, comm)
-    if error is None and rank == 0:
-        try:
-            files.commit(temporary, path)
-            if keep is not None:
-                files.prune(os.path.dirname(path), keep)
-        except Exception as failure:
-            error = failure
     try:
+        agree(comm, error, what, fmt.CheckpointError)    # every rank wrote its part...
+        error = None
+        if rank == 0:                                    # ...before the file replaces the old one
+            try:
+                files.commit(temporary, path)
+            except Exception as failure:
+                error = failure
         agree(comm, error, what, fmt.CheckpointError)
     except fmt.CheckpointError:
         if rank == 0:
             files.discard(temporary)
         raise
+    if keep is not None and rank == 0:
+        files.prune(os.path.dirname(path), keep)
+    comm.Barrier()
     return path

@@ -1,0 +1,256 @@
+"""Checkpoints: round trips for each optimizer, continuing equals an uninterrupted run, the
+file format, export/import with plain torch, bad input, failed saves."""
+import os
+
+import h5py
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+from tensorplay_hpc import checkpoint
+from tensorplay_hpc.checkpoint import format as fmt
+from tensorplay_hpc.checkpoint import cli
+from tensorplay_hpc.distributed.algorithms.model_averaging import averagers
+from tensorplay_hpc.distributed.optim import PostLocalSGDOptimizer, ZeroRedundancyOptimizer
+from tensorplay_hpc.distributed.parallel import DistributedDataParallel
+
+WORLD = MPI.COMM_WORLD
+
+
+@pytest.fixture
+def folder(tmp_path_factory):
+    """One folder shared by every rank (rank 0 makes it)."""
+    path = str(tmp_path_factory.mktemp("ckpt")) if WORLD.Get_rank() == 0 else None
+    return WORLD.bcast(path, root=0)
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.BatchNorm1d(10),
+                               torch.nn.Linear(10, 3))
+
+
+def batch(step):
+    """The same data on every rank, so replicas stay equal without gradient averaging."""
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+
+
+def train(model, optimizer, steps, start=0):
+    for step in range(start, start + steps):
+        x, y = batch(step)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+
+
+def params(model):
+    return [p.detach().clone() for p in fmt.unwrap_model(model).state_dict().values()]
+
+
+KINDS = {
+    "local": lambda m: torch.optim.Adam(m.parameters(), lr=0.01),
+    "zero": lambda m: ZeroRedundancyOptimizer(m.parameters(), torch.optim.Adam, lr=0.01),
+    "zero-bucket": lambda m: ZeroRedundancyOptimizer(m.parameters(), torch.optim.AdamW, lr=0.01,
+                                                    parameters_as_bucket_view=True),
+    "postlocal": lambda m: PostLocalSGDOptimizer(
+        torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+        averagers.PeriodicModelAverager(period=2, warmup_steps=1)),
+}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_continue_after_load_equals_uninterrupted_run(folder, kind):
+    reference = make_model()
+    train(reference, KINDS[kind](reference), 8)
+
+    model = make_model()
+    optimizer = KINDS[kind](model)
+    train(model, optimizer, 5)
+    path = checkpoint.save(os.path.join(folder, f"{kind}.h5"), model, optimizer,
+                           extra={"step": 5})
+
+    resumed = make_model(seed=7)                       # different start values
+    optimizer = KINDS[kind](resumed)
+    extra = checkpoint.load(path, resumed, optimizer)
+    assert extra["step"] == 5
+    if kind == "postlocal":
+        assert optimizer.averager.step == 5
+    train(resumed, optimizer, 3, start=5)
+    for a, b in zip(params(reference), params(resumed)):
+        assert torch.equal(a, b)                       # bit-exact at the same world size
+
+
+def test_zero_state_is_consolidated_in_pytorch_structure(folder):
+    model = make_model()
+    optimizer = KINDS["zero"](model)
+    train(model, optimizer, 3)
+    path = checkpoint.save(os.path.join(folder, "zero.h5"), model, optimizer)
+    optimizer.consolidate_state_dict(to=0)
+    if WORLD.Get_rank() == 0:
+        expected = optimizer.state_dict()
+        exported = os.path.join(folder, "zero.pt")
+        cli.export(path, exported)
+        saved = torch.load(exported, weights_only=True)
+        assert saved["optimizer"]["param_groups"] == expected["param_groups"]
+        assert sorted(saved["optimizer"]["state"]) == sorted(expected["state"])
+        for index, state in expected["state"].items():
+            for key, value in state.items():
+                assert torch.equal(saved["optimizer"]["state"][index][key], value)
+        # ... and a plain torch optimizer loads it and steps like the ZeRO one.
+        plain_model = make_model(seed=3)
+        plain_model.load_state_dict(saved["model"])
+        plain = torch.optim.Adam(plain_model.parameters(), lr=0.5)
+        plain.load_state_dict(saved["optimizer"])
+        assert plain.param_groups[0]["lr"] == 0.01
+        train(plain_model, plain, 2, start=3)
+        zero_copy = make_model(seed=3)
+        zero_copy.load_state_dict(saved["model"])
+        local = torch.optim.Adam(zero_copy.parameters(), lr=0.01)
+        local.load_state_dict(expected)
+        train(zero_copy, local, 2, start=3)
+        for a, b in zip(params(plain_model), params(zero_copy)):
+            assert torch.equal(a, b)
+    WORLD.Barrier()
+
+
+def test_import_from_plain_torch_then_load_into_zero(folder):
+    model = make_model()
+    plain = torch.optim.Adam(model.parameters(), lr=0.02)
+    train(model, plain, 4)
+    source = os.path.join(folder, "plain.pt")
+    target = os.path.join(folder, "imported.h5")
+    if WORLD.Get_rank() == 0:
+        torch.save({"model": model.state_dict(), "optimizer": plain.state_dict()}, source)
+        cli.import_(source, target, "torch.optim.adam.Adam")
+    WORLD.Barrier()
+    resumed = make_model(seed=9)
+    zero = ZeroRedundancyOptimizer(resumed.parameters(), torch.optim.Adam, lr=0.5)
+    checkpoint.load(target, resumed, zero)
+    assert zero.param_groups[0]["lr"] == 0.02
+    train(model, plain, 2, start=4)
+    train(resumed, zero, 2, start=4)
+    for a, b in zip(params(model), params(resumed)):
+        assert torch.equal(a, b)
+
+
+def test_ddp_wrapped_model_and_extras(folder):
+    model = DistributedDataParallel(make_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    train(model, optimizer, 2)
+    rng = torch.get_rng_state()
+    extra = {"epoch": 3, "position": (17, 4), "nested": {"a": [1, 2.5, None]},
+             "rng": rng, "array": np.arange(5, dtype=np.int32) * WORLD.Get_rank(),
+             "name": f"rank{WORLD.Get_rank()}", "generator": np.random.default_rng(5).bit_generator.state}
+    path = checkpoint.save(os.path.join(folder, "ddp.h5"), model, optimizer, extra=extra)
+    other = DistributedDataParallel(make_model(seed=4))
+    loaded = checkpoint.load(path, other, torch.optim.SGD(other.parameters(), lr=0.1))
+    assert loaded["epoch"] == 3 and loaded["position"] == (17, 4)
+    assert loaded["nested"] == {"a": [1, 2.5, None]}
+    assert torch.equal(loaded["rng"], rng)
+    assert loaded["array"].tolist() == [i * WORLD.Get_rank() for i in range(5)]
+    assert loaded["name"] == f"rank{WORLD.Get_rank()}"
+    assert loaded["generator"] == extra["generator"]
+    for a, b in zip(params(model), params(other)):
+        assert torch.equal(a, b)
+
+
+def test_file_format_is_plain_hdf5(folder):
+    model = make_model()
+    model[0].weight.data = model[0].weight.data.to(torch.bfloat16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    path = checkpoint.save(os.path.join(folder, "format.h5"), model, optimizer,
+                           extra={"step": 12})
+    if WORLD.Get_rank() == 0:
+        with h5py.File(path, "r") as f:      # serial h5py, no MPI
+            assert f.attrs["format"] == fmt.FORMAT
+            assert f.attrs["format_version"] == fmt.FORMAT_VERSION
+            assert f.attrs["world_size"] == WORLD.Get_size()
+            assert f.attrs["step"] == 12
+            assert f.attrs["torch_version"] == torch.__version__
+            weight = f["model/0.weight"]
+            assert weight.attrs["torch_dtype"] == "bfloat16" and weight.dtype == np.int16
+            raw = torch.from_numpy(weight[()]).view(torch.bfloat16)
+            assert torch.equal(raw, model[0].weight.data)
+            assert int(f["model/3.bias"].attrs["crc32"]) == fmt.checksum(model[3].bias.detach().numpy())
+            assert sorted(f["model"]) == sorted(model.state_dict())
+        assert checkpoint.latest(folder) == path
+    WORLD.Barrier()
+
+
+def test_keep_prunes_older_checkpoints(folder):
+    model = make_model()
+    for step in range(4):
+        checkpoint.save(os.path.join(folder, f"step{step}.h5"), model, extra={"step": step}, keep=2)
+    WORLD.Barrier()
+    names = sorted(n for n in os.listdir(folder) if n.endswith(".h5"))
+    assert names == ["step2.h5", "step3.h5"]
+    assert checkpoint.latest(folder).endswith("step3.h5")
+
+
+def test_failed_save_leaves_previous_checkpoint(folder, monkeypatch):
+    model = make_model()
+    path = os.path.join(folder, "last.h5")
+    checkpoint.save(path, model, extra={"step": 1})
+    before = open(path, "rb").read() if WORLD.Get_rank() == 0 else None
+    bad_rank = WORLD.Get_size() - 1
+    if WORLD.Get_rank() == bad_rank:
+        def fail(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+        monkeypatch.setattr("tensorplay_hpc.checkpoint.writer._write_own", fail)
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    with pytest.raises(checkpoint.CheckpointError, match=f"rank {bad_rank}: OSError.*No space"):
+        checkpoint.save(path, model, extra={"step": 2})
+    WORLD.Barrier()
+    if WORLD.Get_rank() == 0:
+        assert open(path, "rb").read() == before
+        assert [n for n in os.listdir(folder) if ".tmp-" in n] == []
+    fresh = make_model(seed=5)
+    assert checkpoint.load(path, fresh)["step"] == 1
+    assert torch.equal(fresh[0].weight, make_model()[0].weight)
+
+
+def corrupt(path, dataset, offset=0):
+    with h5py.File(path, "r") as f:
+        where = f[dataset].id.get_offset()
+    with open(path, "r+b") as raw:
+        raw.seek(where + offset)
+        byte = raw.read(1)
+        raw.seek(where + offset)
+        raw.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_bad_checkpoints_give_clear_errors(folder):
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters())
+    train(model, optimizer, 1)
+    good = checkpoint.save(os.path.join(folder, "good.h5"), model, optimizer)
+    paths = {name: os.path.join(folder, f"{name}.h5") for name in
+             ("truncated", "corrupted", "foreign")}
+    if WORLD.Get_rank() == 0:
+        data = open(good, "rb").read()
+        open(paths["truncated"], "wb").write(data[:len(data) // 3])
+        open(paths["corrupted"], "wb").write(data)
+        corrupt(paths["corrupted"], "model/0.weight", 5)
+        with h5py.File(paths["foreign"], "w") as f:
+            f["x"] = np.zeros(3)
+    WORLD.Barrier()
+    cases = [
+        (os.path.join(folder, "missing.h5"), model, None, "no such checkpoint file"),
+        (paths["truncated"], model, None, "truncated"),
+        (paths["corrupted"], model, None, "checksum mismatch in dataset 'model/0.weight'"),
+        (paths["foreign"], model, None, "not a tensorplay_hpc checkpoint"),
+        (good, torch.nn.Linear(6, 10), None, "model does not match"),
+        (good, torch.nn.Sequential(torch.nn.Linear(6, 11), torch.nn.Tanh(), torch.nn.BatchNorm1d(11),
+                                   torch.nn.Linear(11, 3)), None, "has shape"),
+        (good, None, torch.optim.SGD(model.parameters(), lr=0.1),
+         "holds torch.optim.adam.Adam state, the optimizer is torch.optim.sgd.SGD"),
+    ]
+    for path, m, opt, message in cases:
+        with pytest.raises(checkpoint.CheckpointError, match=message) as raised:
+            checkpoint.load(path, m, opt)
+        assert f"failed on {WORLD.Get_size()} of {WORLD.Get_size()} ranks" in str(raised.value)
+    # A bad file among good ones is skipped when looking for the newest.
+    assert checkpoint.latest(folder) == good
