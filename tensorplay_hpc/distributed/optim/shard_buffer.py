@@ -2,7 +2,7 @@
 in-place ``all_gather_v`` hands every rank the shards that the others updated."""
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Sequence
 
 import torch
 from mpi4py import MPI
@@ -40,19 +40,11 @@ class ShardBuffer:
             for param, view in zip(self.params, self.flat.views):
                 param.data = view
 
-    @property
-    def nbytes(self) -> int:
-        return self.flat.buffer.numel() * self.flat.buffer.element_size()
-
-    def start_sync(self, group: MPI.Intracomm) -> Optional[comm.Work]:
-        """Begin sending this rank's shard to every rank and receiving theirs. Collective."""
+    def sync(self, group: MPI.Intracomm) -> None:
+        """Send this rank's shard to every rank and receive theirs, in place. Collective."""
         if not self.as_bucket_view:
             _copy(self._own[1], self._own[0])
-        return comm.all_gather_v(self.flat.buffer, self.counts, group, async_op=True)
-
-    def finish_sync(self, work: comm.Work) -> None:
-        """Wait for :meth:`start_sync` and put the received shards in place."""
-        work.wait()
+        comm.all_gather_v(self.flat.buffer, self.counts, group)
         if not self.as_bucket_view:
             _copy(self._others[0], self._others[1])
 

@@ -230,9 +230,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def _sync_params(self) -> None:
         """Every rank gets every rank's updated shard. Collective."""
-        started = [(buffer, buffer.start_sync(self._group.comm)) for buffer in self._buffers]
-        for buffer, work in started:
-            buffer.finish_sync(work)
+        for buffer in self._buffers:
+            buffer.sync(self._group.comm)
 
     # -- the optimizer API -----------------------------------------------------------------
 
