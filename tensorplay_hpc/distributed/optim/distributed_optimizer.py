@@ -20,7 +20,8 @@ import torch
 from tensorplay_hpc.distributed import autograd
 from tensorplay_hpc.distributed.rma import RemoteRef, by_owner
 from tensorplay_hpc.distributed.rma.layout import Layout, Spec
-from tensorplay_hpc.distributed.rma.window import Window
+from tensorplay_hpc.comm.dtypes import reduce_dtype
+from tensorplay_hpc.distributed.rma.window import Window, empty
 
 _NUMBER_TYPES = (bool, int, float)
 _FLAG: Spec = ((), torch.int64)
@@ -149,7 +150,11 @@ class DistributedOptimizer:
             layouts.append(layout)
         self._state = Window(communicator, layouts[rank].nbytes)
         self._state.local.zero_()  # no parameter has state yet
+        # Local stand-ins for the parameters, and what steps fetch into: reused by every step.
         self._proxies = {ref: torch.empty(ref.shape, dtype=ref.dtype) for ref in self._refs}
+        self._grads = {ref: torch.empty(ref.shape, dtype=reduce_dtype(ref.dtype))
+                       for ref in self._refs}
+        self._fetched = {ref: self._buffers(ref) for ref in self._refs}
         self._optimizer = optimizer_class(list(self._proxies.values()), *args, **kwargs)
         communicator.Barrier()  # every owner's flags are cleared before anyone steps
 
@@ -157,11 +162,11 @@ class DistributedOptimizer:
         """Local tensors to fetch ``ref``'s flag and state entries into."""
         entries = self._entries[(ref.owner(), ref.index)]
         return ([torch.zeros((), dtype=torch.int64)]
-                + [torch.empty(e.spec[0], dtype=e.spec[1]) for e in entries])
+                + [empty(e.spec[0], e.spec[1]) for e in entries])
 
-    def _get_state(self, ref: RemoteRef) -> List[torch.Tensor]:
-        """Start fetching ``ref``'s flag and state (inside an epoch on the state window)."""
-        buffers = self._buffers(ref)
+    def _get_state(self, ref: RemoteRef, buffers: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Start fetching ``ref``'s flag and state into ``buffers`` (inside an epoch on the
+        state window)."""
         for buffer, offset in zip(buffers, self._offsets[(ref.owner(), ref.index)]):
             self._state.get(buffer, ref.owner(), offset)
         return buffers
@@ -183,11 +188,11 @@ class DistributedOptimizer:
         shared, state, optimizer = self._shared, self._state, self._optimizer
         with shared.values.locked(owner, exclusive=True), state.locked(owner, exclusive=True):
             with shared.gradients.locked(owner):
-                grads = [shared.get_gradient(ref) for ref in refs]
+                grads = [shared.get_gradient(ref, self._grads[ref]) for ref in refs]
             fetched = []
             for ref in refs:
                 shared.values.get(self._proxies[ref], owner, shared.value_offset(ref))
-                fetched.append(self._get_state(ref))
+                fetched.append(self._get_state(ref, self._fetched[ref]))
             shared.values.flush(owner)
             state.flush(owner)
             for proxy in self._proxies.values():
@@ -233,7 +238,7 @@ class DistributedOptimizer:
         if key not in self._offsets:
             raise KeyError(f"{ref} is not a parameter of this DistributedOptimizer")
         with self._state.locked(ref.owner()):
-            flag, *buffers = self._get_state(ref)
+            flag, *buffers = self._get_state(ref, self._buffers(ref))
         if not flag.item():
             return {}
         return {e.key: e.restore(b) for e, b in zip(self._entries[key], buffers)}
@@ -245,8 +250,11 @@ class DistributedOptimizer:
     def __enter__(self) -> "DistributedOptimizer":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        # Leaving with an error, other ranks may never reach the collective free: skip it
+        # rather than hang (the windows stay allocated until MPI is finalized).
+        if exc_type is None:
+            self.close()
 
 
 def _describe(value: Any) -> str:

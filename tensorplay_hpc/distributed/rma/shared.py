@@ -12,7 +12,7 @@ from tensorplay_hpc.comm.dtypes import move_datatype, reduce_dtype
 from .layout import Layout
 from .progress import ProgressThread
 from .reference import RemoteRef, by_owner
-from .window import Window
+from .window import Window, empty
 
 
 class SharedTensors:
@@ -85,7 +85,7 @@ class SharedTensors:
 
     def fetch(self, ref: RemoteRef) -> torch.Tensor:
         """A copy of ``ref``'s current value, read under a shared lock. Not collective."""
-        out = torch.empty(ref.shape, dtype=ref.dtype)
+        out = empty(ref.shape, ref.dtype)
         with self.values.locked(ref.owner()):
             self.values.get(out, ref.owner(), self.value_offset(ref))
         return out
@@ -113,12 +113,14 @@ class SharedTensors:
                     out[ref] = self.get_gradient(ref)
         return {ref: grad.to(ref.dtype) for ref, grad in out.items()}
 
-    def get_gradient(self, ref: RemoteRef) -> torch.Tensor:
-        """Start reading this rank's gradient of ``ref``, in the reduction dtype; it is there
-        once the caller's epoch on the gradients window ends (or is flushed)."""
-        grad = torch.empty(ref.shape, dtype=reduce_dtype(ref.dtype))
-        self.gradients.get(grad, ref.owner(), self.gradient_offset(ref, self.rank))
-        return grad
+    def get_gradient(self, ref: RemoteRef, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Start reading this rank's gradient of ``ref`` into ``out`` (a new tensor if ``None``),
+        in the reduction dtype; it is there once the caller's epoch on the gradients window ends
+        (or is flushed)."""
+        if out is None:
+            out = empty(ref.shape, reduce_dtype(ref.dtype))
+        self.gradients.get(out, ref.owner(), self.gradient_offset(ref, self.rank))
+        return out
 
     def close(self) -> None:
         """Free the windows. Collective. The owner's tensors get their own memory back, with
@@ -136,8 +138,11 @@ class SharedTensors:
     def __enter__(self) -> "SharedTensors":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        # Leaving with an error, other ranks may never reach the collective free: skip it
+        # rather than hang (the windows stay allocated until MPI is finalized).
+        if exc_type is None:
+            self.close()
 
 
 def share(tensors: Iterable[torch.Tensor], process_group: Optional[MPI.Comm] = None,

@@ -1,21 +1,56 @@
 """A byte-addressed MPI window of CPU memory, read and written with tensors.
 
-Each rank's part of the window is allocated by MPI (``Win.Allocate``, so Open MPI can use its
-shared-memory component on one node) and is seen locally as a ``uint8`` tensor, from which typed
-views are cut. Remote operations take contiguous CPU tensors and a byte offset in the target's
+Each rank's part of the window is allocated by MPI and is seen locally as a ``uint8`` tensor,
+from which typed views are cut. When the group lies within one node the window is made with
+``Win.Allocate_shared``: Open MPI then uses its shared-memory component (``osc/sm``), where other
+ranks' operations are plain memory copies that need nothing from the target. (Open MPI 4.1 gives
+``Win.Allocate`` to ``osc/rdma``, whose shared-memory file is named after the communicator's id,
+which the disjoint halves of a ``Split`` share: their windows would overlap.) Remote operations take contiguous CPU tensors and a byte offset in the target's
 part; their memory reaches MPI only through :func:`tensorplay_hpc.comm.memory`, and messages longer
 than the chunk limit are split. Operations complete at the end of the lock epoch that holds them.
 """
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
-from typing import Iterator, Tuple
+from typing import Iterator, Optional, Tuple
 
+import numpy as np
 import torch
 from mpi4py import MPI
 
 from tensorplay_hpc import comm
 from tensorplay_hpc.comm.dtypes import move_datatype, reduce_dtype
+
+
+@functools.lru_cache(maxsize=None)
+def _numpy_dtype(dtype: torch.dtype) -> Optional[np.dtype]:
+    try:
+        return torch.empty(0, dtype=dtype).numpy().dtype
+    except TypeError:  # bfloat16 and other dtypes NumPy lacks
+        return None
+
+
+def empty(shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized CPU tensor to fetch into.
+
+    Its memory comes from NumPy where NumPy has the dtype: PyTorch's CPU allocator hands large
+    blocks back to the system when they are freed, so every fetch into a fresh tensor would pay
+    page faults (about ten times the copy itself), while NumPy's memory is reused.
+    """
+    numpy_dtype = _numpy_dtype(dtype)
+    if numpy_dtype is None:
+        return torch.empty(shape, dtype=dtype)
+    return torch.from_numpy(np.empty(shape, dtype=numpy_dtype))
+
+
+def _within_one_node(communicator: MPI.Intracomm) -> bool:
+    """Whether all ranks of ``communicator`` share memory. Collective."""
+    node = communicator.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return communicator.allreduce(node.Get_size() == communicator.Get_size(), op=MPI.LAND)
+    finally:
+        node.Free()
 
 
 class Window:
@@ -26,7 +61,13 @@ class Window:
     """
 
     def __init__(self, communicator: MPI.Intracomm, nbytes: int) -> None:
-        self.win = MPI.Win.Allocate(nbytes, disp_unit=1, comm=communicator)
+        if _within_one_node(communicator):
+            info = MPI.Info.Create()
+            info.Set("alloc_shared_noncontig", "true")  # each rank's part on its own pages
+            self.win = MPI.Win.Allocate_shared(nbytes, disp_unit=1, info=info, comm=communicator)
+            info.Free()
+        else:
+            self.win = MPI.Win.Allocate(nbytes, disp_unit=1, comm=communicator)
         self.rank = communicator.Get_rank()
         if nbytes:
             self.local = torch.frombuffer(self.win.tomemory(), dtype=torch.uint8)
