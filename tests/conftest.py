@@ -1,6 +1,7 @@
 """Test harness under mpiexec: rank 0 reports; a failure on any rank aborts the whole job at
 once (no rank is left waiting in a collective); a test stuck past its timeout kills its process,
 which makes mpiexec end the job."""
+import os
 import sys
 
 import pytest
@@ -10,6 +11,8 @@ from mpi4py import MPI
 from tensorplay_hpc.bench.gloo import init_gloo
 
 WORLD = MPI.COMM_WORLD
+# Test helpers (launch.py, job scripts) import each other from this folder.
+sys.path.insert(0, os.path.dirname(__file__))
 
 
 @pytest.hookimpl(trylast=True)

@@ -1,0 +1,59 @@
+"""An MPI job for the checkpoint tests that need their own world size or a killed rank.
+
+    checkpoint_job.py save FILE STEPS            train ZeRO-Adam STEPS steps, then save
+    checkpoint_job.py resume FILE STEPS OUT      load, train STEPS more, rank 0 saves params
+    checkpoint_job.py kill-during-save FILE      save FILE, then die on the last rank while
+                                                 saving FILE again
+"""
+import os
+import signal
+import sys
+
+import torch
+from mpi4py import MPI
+
+from tensorplay_hpc import checkpoint
+from tensorplay_hpc.distributed.optim import ZeroRedundancyOptimizer
+
+
+def make_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(5, 9), torch.nn.Tanh(), torch.nn.Linear(9, 7),
+                               torch.nn.Tanh(), torch.nn.Linear(7, 2))
+
+
+def train(model, optimizer, start, steps):
+    for step in range(start, start + steps):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(16, 5, generator=g), torch.randn(16, 2, generator=g)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+
+
+def main(mode, path, *rest):
+    model = make_model()
+    optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.01)
+    if mode == "save":
+        train(model, optimizer, 0, int(rest[0]))
+        checkpoint.save(path, model, optimizer, extra={"step": int(rest[0])})
+    elif mode == "resume":
+        start = checkpoint.load(path, model, optimizer)["step"]
+        train(model, optimizer, start, int(rest[0]))
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            torch.save([p.detach() for p in model.parameters()], rest[1])
+    elif mode == "kill-during-save":
+        train(model, optimizer, 0, 2)
+        checkpoint.save(path, model, optimizer, extra={"step": 2})
+        train(model, optimizer, 2, 1)
+        if MPI.COMM_WORLD.Get_rank() == MPI.COMM_WORLD.Get_size() - 1:
+            from tensorplay_hpc.checkpoint import writer
+
+            def die(*args):
+                os.kill(os.getpid(), signal.SIGKILL)
+            writer._write_own = die
+        checkpoint.save(path, model, optimizer, extra={"step": 3})
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
