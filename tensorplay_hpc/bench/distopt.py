@@ -10,19 +10,19 @@ from __future__ import annotations
 
 import os
 import socket
+import statistics
 import time
-from typing import Callable, List
+from typing import Callable, List, Sequence
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
 from tensorplay_hpc.bench.report import Report
-from tensorplay_hpc.bench.timing import median_seconds
 from tensorplay_hpc.distributed import autograd, rma
 from tensorplay_hpc.distributed.optim import DistributedOptimizer
 
-PARAMETERS, WIDTH, BATCH, LR = 8, 1024, 32, 1e-3
+PARAMETERS, WIDTH, BATCH, LR = 8, 1024, 16, 1e-3
 TRAINER, OWNER = 0, 1
 WORLD = MPI.COMM_WORLD
 
@@ -45,29 +45,40 @@ def forward(weights: List[torch.Tensor], batch: torch.Tensor) -> torch.Tensor:
     return x.square().mean()
 
 
-def trainer_time(iteration: Callable[[], object], repeat: int) -> float:
-    """Median time of ``iteration`` on the trainer while the owner idles outside MPI
-    (sleeping, polling a nonblocking barrier). Collective; every rank gets the trainer's time."""
-    seconds = 0.0
-    if WORLD.Get_rank() == TRAINER:
-        seconds = median_seconds(iteration, repeat=repeat, comm=MPI.COMM_SELF)
+def on_trainer(measure: Callable[[], object]) -> object:
+    """Run ``measure`` on the trainer while the owner idles outside MPI (sleeping, polling a
+    nonblocking barrier); every rank gets its result. Collective."""
+    result = measure() if WORLD.Get_rank() == TRAINER else None
     done = WORLD.Ibarrier()
     while not done.Test():
         time.sleep(1e-3)
-    return WORLD.bcast(seconds, root=TRAINER)
+    return WORLD.bcast(result, root=TRAINER)
 
 
-def ours(batch: torch.Tensor, repeat: int) -> float:
-    owned = [initial_parameter(i) for i in range(PARAMETERS)] if WORLD.Get_rank() == OWNER else []
-    with rma.share(owned) as shared:
-        refs = shared.refs_of(OWNER)
-        with DistributedOptimizer(torch.optim.SGD, refs, lr=LR) as optimizer:
-            def iteration() -> None:
-                with autograd.context() as context_id:
-                    loss = forward([ref.to_here() for ref in refs], batch)
-                    autograd.backward(context_id, [loss])
-                    optimizer.step(context_id)
-            return trainer_time(iteration, repeat)
+def alternating_medians(calls: Sequence[Callable[[], object]], repeat: int,
+                        warmup: int = 2) -> List[float]:
+    """Median seconds of each of ``calls``, timed in turn (ABAB...) so that the load of a shared
+    machine weighs on all of them alike. Local."""
+    for call in calls:
+        for _ in range(warmup):
+            call()
+    times: List[List[float]] = [[] for _ in calls]
+    for _ in range(repeat):
+        for call, taken in zip(calls, times):
+            start = time.perf_counter()
+            call()
+            taken.append(time.perf_counter() - start)
+    return [statistics.median(taken) for taken in times]
+
+
+def our_iteration(refs: List[rma.RemoteRef], optimizer: DistributedOptimizer,
+                  batch: torch.Tensor) -> Callable[[], None]:
+    def iteration() -> None:
+        with autograd.context() as context_id:
+            loss = forward([ref.to_here() for ref in refs], batch)
+            autograd.backward(context_id, [loss])
+            optimizer.step(context_id)
+    return iteration
 
 
 def free_port() -> int:
@@ -80,33 +91,56 @@ def free_port() -> int:
     return WORLD.bcast(port, root=0)
 
 
-def torch_rpc(batch: torch.Tensor, repeat: int) -> float:
-    """PyTorch's DistributedOptimizer over TensorPipe RPC. Collective; raises if RPC fails."""
-    import torch.distributed.autograd as dist_autograd
+def start_rpc() -> None:
+    """``torch.distributed.rpc`` with TensorPipe on both ranks. Collective."""
     import torch.distributed.rpc as rpc
-    from torch.distributed.optim import DistributedOptimizer as TorchDistributedOptimizer
-
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(free_port())
     rank = WORLD.Get_rank()
-    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2,
-                 backend=rpc.BackendType.TENSORPIPE,
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, backend=rpc.BackendType.TENSORPIPE,
                  rpc_backend_options=rpc.TensorPipeRpcBackendOptions())
-    try:
-        iteration = None
-        if rank == TRAINER:
-            rrefs = [rpc.remote(f"worker{OWNER}", remote_parameter, args=(i,))
-                     for i in range(PARAMETERS)]
-            optimizer = TorchDistributedOptimizer(torch.optim.SGD, rrefs, lr=LR)
 
-            def iteration() -> None:
-                with dist_autograd.context() as context_id:
-                    loss = forward([rref.to_here() for rref in rrefs], batch)
-                    dist_autograd.backward(context_id, [loss])
-                    optimizer.step(context_id)
-        return trainer_time(iteration, repeat)
-    finally:
-        rpc.shutdown()
+
+def rpc_iteration(batch: torch.Tensor) -> Callable[[], None]:
+    """PyTorch's DistributedOptimizer on the same model, the parameters made on the owner."""
+    import torch.distributed.autograd as dist_autograd
+    import torch.distributed.rpc as rpc
+    from torch.distributed.optim import DistributedOptimizer as TorchDistributedOptimizer
+    rrefs = [rpc.remote(f"worker{OWNER}", remote_parameter, args=(i,)) for i in range(PARAMETERS)]
+    optimizer = TorchDistributedOptimizer(torch.optim.SGD, rrefs, lr=LR)
+
+    def iteration() -> None:
+        with dist_autograd.context() as context_id:
+            loss = forward([rref.to_here() for rref in rrefs], batch)
+            dist_autograd.backward(context_id, [loss])
+            optimizer.step(context_id)
+    return iteration
+
+
+def iterations(report: Report, batch: torch.Tensor) -> None:
+    """One training iteration, ours and PyTorch's over RPC, timed in alternation."""
+    import torch.distributed.rpc as rpc
+    owned = [initial_parameter(i) for i in range(PARAMETERS)] if WORLD.Get_rank() == OWNER else []
+    case = f"SGD iteration, {PARAMETERS}x{WIDTH}x{WIDTH} on rank {OWNER}, batch {BATCH}"
+    with rma.share(owned) as shared:
+        refs = shared.refs_of(OWNER)
+        with DistributedOptimizer(torch.optim.SGD, refs, lr=LR) as optimizer:
+            ours = our_iteration(refs, optimizer, batch)
+            try:
+                start_rpc()
+            except Exception as error:  # reported; the rest still runs
+                ours_s = on_trainer(lambda: alternating_medians([ours], report.repeat)[0])
+                if WORLD.Get_rank() == 0:
+                    print(f"torch.distributed.rpc could not run here: {type(error).__name__}: "
+                          f"{error}; ours: {ours_s * 1e3:.1f} ms an iteration", flush=True)
+                return
+            try:
+                ours_s, rpc_s = on_trainer(
+                    lambda: alternating_medians([ours, rpc_iteration(batch)], report.repeat))
+            finally:
+                rpc.shutdown()
+    report.add("distopt", case, ours_s, "torch-rpc", rpc_s,
+               nbytes=PARAMETERS * WIDTH * WIDTH * 4)
 
 
 def bandwidths(report: Report) -> None:
@@ -144,8 +178,8 @@ def bandwidths(report: Report) -> None:
                      ("accumulate (gradient of backward)", accumulate, "accumulate",
                       MPI.LOCK_SHARED)]
             for case, ours_call, operation, lock in cases:
-                ours_s = trainer_time(ours_call, report.repeat * 3)
-                raw_s = trainer_time(raw(operation, lock), report.repeat * 3)
+                ours_s, raw_s = on_trainer(lambda: alternating_medians(
+                    [ours_call, raw(operation, lock)], report.repeat * 3))
                 report.add("distopt", case, ours_s, "mpi4py-raw", raw_s, nbytes=nbytes,
                            ours_GBps=nbytes / ours_s / 1e9, raw_GBps=nbytes / raw_s / 1e9)
         raw_window.Free()
@@ -155,17 +189,5 @@ def run(report: Report) -> None:
     """Collective on exactly two ranks."""
     if WORLD.Get_size() != 2:
         raise SystemExit("the distopt benchmark runs on 2 ranks: mpiexec -n 2 ...")
-    batch = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(7))
-    nbytes = PARAMETERS * WIDTH * WIDTH * 4
-    case = f"SGD iteration, {PARAMETERS}x{WIDTH}x{WIDTH} on rank {OWNER}, batch {BATCH}"
-    ours_s = ours(batch, report.repeat)
-    try:
-        rpc_s = torch_rpc(batch, report.repeat)
-    except Exception as error:  # reported, and the rest still runs
-        if WORLD.Get_rank() == 0:
-            print(f"torch.distributed.rpc could not run here: {type(error).__name__}: {error}",
-                  flush=True)
-            print(f"ours: {ours_s * 1e3:.1f} ms an iteration", flush=True)
-    else:
-        report.add("distopt", case, ours_s, "torch-rpc", rpc_s, nbytes=nbytes)
+    iterations(report, torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(7)))
     bandwidths(report)

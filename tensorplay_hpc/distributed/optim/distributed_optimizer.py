@@ -10,22 +10,31 @@ optimizer once on a zero dummy: a flag "state exists" (so the optimizer initiali
 the very first step, as locally) followed by every state entry (tensors, and Python numbers as
 float64). Steps by any number of trainers continue one state, and steps on one owner are
 serialized by the exclusive lock, so no update is lost and readers never see half of one.
+
+Where the windows are in shared memory (all ranks on one node), a step under the same locks runs
+the optimizer directly on the owner's memory instead (``Win.Shared_query`` views of parameter,
+gradient and state): no copies at all. ``TENSORPLAY_HPC_RMA_DIRECT=0`` turns that off.
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, Iterable, List, Tuple, Type
 
 import torch
 
+from tensorplay_hpc.comm.dtypes import reduce_dtype
 from tensorplay_hpc.distributed import autograd
 from tensorplay_hpc.distributed.rma import RemoteRef, by_owner
+from tensorplay_hpc.distributed.rma.buffer_pool import empty
 from tensorplay_hpc.distributed.rma.layout import Layout, Spec
-from tensorplay_hpc.comm.dtypes import reduce_dtype
-from tensorplay_hpc.distributed.rma.window import Window, empty
+from tensorplay_hpc.distributed.rma.window import Window
 
+DIRECT_ENV = "TENSORPLAY_HPC_RMA_DIRECT"
+"""Set to ``0`` to make steps fetch and put back even where the windows are in shared memory."""
 _NUMBER_TYPES = (bool, int, float)
 _FLAG: Spec = ((), torch.int64)
 ParamKey = Tuple[int, int]  # (owner, index) of a shared tensor
+Held = List[List[torch.Tensor]]  # per parameter: its flag, then its state entries
 
 
 class StateEntry:
@@ -150,13 +159,22 @@ class DistributedOptimizer:
             layouts.append(layout)
         self._state = Window(communicator, layouts[rank].nbytes)
         self._state.local.zero_()  # no parameter has state yet
-        # Local stand-ins for the parameters, and what steps fetch into: reused by every step.
+        # Direct steps run the optimizer on the owner's memory itself (a shared-memory window);
+        # the others fetch into local stand-ins and buffers, reused by every step.
+        self._direct = (self._shared.values.shared_memory and self._state.shared_memory
+                        and os.environ.get(DIRECT_ENV, "1") != "0")
         self._proxies = {ref: torch.empty(ref.shape, dtype=ref.dtype) for ref in self._refs}
-        self._grads = {ref: torch.empty(ref.shape, dtype=reduce_dtype(ref.dtype))
-                       for ref in self._refs}
-        self._fetched = {ref: self._buffers(ref) for ref in self._refs}
+        if not self._direct:
+            self._grads = {ref: torch.empty(ref.shape, dtype=reduce_dtype(ref.dtype))
+                           for ref in self._refs}
+            self._fetched = {ref: self._buffers(ref) for ref in self._refs}
         self._optimizer = optimizer_class(list(self._proxies.values()), *args, **kwargs)
         communicator.Barrier()  # every owner's flags are cleared before anyone steps
+
+    @property
+    def in_place(self) -> bool:
+        """Whether steps run on the owners' shared memory directly instead of Get and Put."""
+        return self._direct
 
     def _buffers(self, ref: RemoteRef) -> List[torch.Tensor]:
         """Local tensors to fetch ``ref``'s flag and state entries into."""
@@ -177,7 +195,8 @@ class DistributedOptimizer:
 
         Raises:
             ValueError: ``context_id`` is not an open context of this rank.
-            RuntimeError: the optimizer failed; no parameter of that owner was changed.
+            RuntimeError: the optimizer failed (for an owner in shared memory, whose parameters
+                it updates in place, the update may be incomplete; otherwise nothing changed).
         """
         ctx = autograd.retrieve_context(context_id)
         stepped = [ref for ref in self._refs if ctx.has_gradient(ref)]
@@ -185,41 +204,98 @@ class DistributedOptimizer:
             self._step_owner(owner, refs, context_id)
 
     def _step_owner(self, owner: int, refs: List[RemoteRef], context_id: int) -> None:
-        shared, state, optimizer = self._shared, self._state, self._optimizer
-        with shared.values.locked(owner, exclusive=True), state.locked(owner, exclusive=True):
-            with shared.gradients.locked(owner):
-                grads = [shared.get_gradient(ref, self._grads[ref]) for ref in refs]
-            fetched = []
-            for ref in refs:
-                shared.values.get(self._proxies[ref], owner, shared.value_offset(ref))
-                fetched.append(self._get_state(ref, self._fetched[ref]))
-            shared.values.flush(owner)
-            state.flush(owner)
-            for proxy in self._proxies.values():
-                proxy.grad = None
-            for ref, grad, (flag, *buffers) in zip(refs, grads, fetched):
-                proxy = self._proxies[ref]
-                proxy.grad = grad.to(ref.dtype)
-                entries = self._entries[(ref.owner(), ref.index)]
-                optimizer.state[proxy] = ({e.key: e.restore(b) for e, b in zip(entries, buffers)}
-                                          if flag.item() else {})
-            try:
-                optimizer.step()
-                saved = [self._saved(ref, buffers) for ref, (_, *buffers) in zip(refs, fetched)]
-            except Exception as error:
-                raise RuntimeError(
-                    f"DistributedOptimizer.step(context {context_id}) on rank {shared.rank}: "
-                    f"{self._optimizer_class.__name__} failed on parameters "
-                    f"{[ref.index for ref in refs]} of rank {owner}, which were left unchanged: "
-                    f"{error}") from error
-            for ref, (flag, *_), tensors in zip(refs, fetched, saved):
-                shared.values.put(self._proxies[ref], owner, shared.value_offset(ref))
-                flag.fill_(1)
-                for tensor, offset in zip([flag, *tensors], self._offsets[(owner, ref.index)]):
-                    state.put(tensor, owner, offset)
-        for ref in refs:  # the state now lives in the window only
+        shared, state = self._shared, self._state
+        windows = (shared.values, state, shared.gradients)
+        with shared.values.locked(owner, exclusive=True), state.locked(owner, exclusive=True), \
+                shared.gradients.locked(owner):
+            if self._direct:
+                for window in windows:
+                    window.sync()
+                grads, held = self._map(owner, refs)
+            else:
+                grads, held = self._fetch(owner, refs)
+            saved = self._run(owner, refs, grads, held, context_id)
+            if self._direct:
+                self._store_in_place(held, saved)
+                for window in windows:
+                    window.sync()
+            else:
+                self._put(owner, refs, held, saved)
+        for ref in refs:  # the state lives in the window only
             self._proxies[ref].grad = None
-            optimizer.state.pop(self._proxies[ref], None)
+            self._optimizer.state.pop(self._proxies[ref], None)
+
+    def _specs(self, key: ParamKey) -> List[Spec]:
+        return [_FLAG] + [e.spec for e in self._entries[key]]
+
+    def _map(self, owner: int, refs: List[RemoteRef]) -> Tuple[List[torch.Tensor], Held]:
+        """Point the stand-ins at the owner's parameters; views of its gradients, flags and
+        state."""
+        shared = self._shared
+        grads, held = [], []
+        for ref in refs:
+            key = (owner, ref.index)
+            self._proxies[ref].data = shared.values.view(shared.value_offset(ref), ref.shape,
+                                                         ref.dtype, rank=owner)
+            grads.append(shared.gradients.view(shared.gradient_offset(ref, shared.rank),
+                                               ref.shape, reduce_dtype(ref.dtype), rank=owner))
+            held.append([self._state.view(offset, *spec, rank=owner)
+                         for offset, spec in zip(self._offsets[key], self._specs(key))])
+        return grads, held
+
+    def _fetch(self, owner: int, refs: List[RemoteRef]) -> Tuple[List[torch.Tensor], Held]:
+        """Get parameters, gradients, flags and state from the owner into local buffers."""
+        shared = self._shared
+        grads = [shared.get_gradient(ref, self._grads[ref]) for ref in refs]
+        held = []
+        for ref in refs:
+            shared.values.get(self._proxies[ref], owner, shared.value_offset(ref))
+            held.append(self._get_state(ref, self._fetched[ref]))
+        for window in (shared.values, self._state, shared.gradients):
+            window.flush(owner)
+        return grads, held
+
+    def _run(self, owner: int, refs: List[RemoteRef], grads: List[torch.Tensor],
+             held: List[List[torch.Tensor]], context_id: int) -> List[List[torch.Tensor]]:
+        """Run the optimizer on the stand-ins; the state tensors to keep, per parameter."""
+        optimizer = self._optimizer
+        for proxy in self._proxies.values():
+            proxy.grad = None
+        for ref, grad, (flag, *buffers) in zip(refs, grads, held):
+            proxy = self._proxies[ref]
+            proxy.grad = grad.to(ref.dtype)
+            entries = self._entries[(owner, ref.index)]
+            optimizer.state[proxy] = ({e.key: e.restore(b) for e, b in zip(entries, buffers)}
+                                      if flag.item() else {})
+        try:
+            optimizer.step()
+            return [self._saved(ref, buffers) for ref, (_, *buffers) in zip(refs, held)]
+        except Exception as error:
+            outcome = ("the update may be incomplete" if self._direct
+                       else "they were left unchanged")
+            raise RuntimeError(
+                f"DistributedOptimizer.step(context {context_id}) on rank {self._shared.rank}: "
+                f"{self._optimizer_class.__name__} failed on parameters "
+                f"{[ref.index for ref in refs]} of rank {owner} ({outcome}): {error}") from error
+
+    @staticmethod
+    def _store_in_place(held: List[List[torch.Tensor]], saved: List[List[torch.Tensor]]) -> None:
+        """Write state the optimizer made anew into the owner's views; mark it present."""
+        for (flag, *views), tensors in zip(held, saved):
+            for view, tensor in zip(views, tensors):
+                if tensor.data_ptr() != view.data_ptr():
+                    view.copy_(tensor)
+            flag.fill_(1)
+
+    def _put(self, owner: int, refs: List[RemoteRef], held: List[List[torch.Tensor]],
+             saved: List[List[torch.Tensor]]) -> None:
+        """Put parameters, flags and state back on the owner."""
+        shared = self._shared
+        for ref, (flag, *_), tensors in zip(refs, held, saved):
+            shared.values.put(self._proxies[ref], owner, shared.value_offset(ref))
+            flag.fill_(1)
+            for tensor, offset in zip([flag, *tensors], self._offsets[(owner, ref.index)]):
+                self._state.put(tensor, owner, offset)
 
     def _saved(self, ref: RemoteRef, buffers: List[torch.Tensor]) -> List[torch.Tensor]:
         """The tensors to write back for ``ref``'s state after a step."""
@@ -245,6 +321,8 @@ class DistributedOptimizer:
 
     def close(self) -> None:
         """Free the state window. Collective."""
+        for proxy in self._proxies.values():
+            proxy.data = torch.empty(0, dtype=proxy.dtype)  # let go of window memory
         self._state.free()
 
     def __enter__(self) -> "DistributedOptimizer":

@@ -12,7 +12,8 @@ from tensorplay_hpc.comm.dtypes import move_datatype, reduce_dtype
 from .layout import Layout
 from .progress import ProgressThread
 from .reference import RemoteRef, by_owner
-from .window import Window, empty
+from .buffer_pool import empty
+from .window import Window
 
 
 class SharedTensors:

@@ -11,37 +11,14 @@ than the chunk limit are split. Operations complete at the end of the lock epoch
 """
 from __future__ import annotations
 
-import functools
 from contextlib import contextmanager
-from typing import Iterator, Optional, Tuple
+from typing import Dict, Iterator, Optional, Tuple
 
-import numpy as np
 import torch
 from mpi4py import MPI
 
 from tensorplay_hpc import comm
 from tensorplay_hpc.comm.dtypes import move_datatype, reduce_dtype
-
-
-@functools.lru_cache(maxsize=None)
-def _numpy_dtype(dtype: torch.dtype) -> Optional[np.dtype]:
-    try:
-        return torch.empty(0, dtype=dtype).numpy().dtype
-    except TypeError:  # bfloat16 and other dtypes NumPy lacks
-        return None
-
-
-def empty(shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialized CPU tensor to fetch into.
-
-    Its memory comes from NumPy where NumPy has the dtype: PyTorch's CPU allocator hands large
-    blocks back to the system when they are freed, so every fetch into a fresh tensor would pay
-    page faults (about ten times the copy itself), while NumPy's memory is reused.
-    """
-    numpy_dtype = _numpy_dtype(dtype)
-    if numpy_dtype is None:
-        return torch.empty(shape, dtype=dtype)
-    return torch.from_numpy(np.empty(shape, dtype=numpy_dtype))
 
 
 def _within_one_node(communicator: MPI.Intracomm) -> bool:
@@ -68,17 +45,38 @@ class Window:
             info.Free()
         else:
             self.win = MPI.Win.Allocate(nbytes, disp_unit=1, comm=communicator)
+        self.shared_memory = self.win.Get_attr(MPI.WIN_CREATE_FLAVOR) == MPI.WIN_FLAVOR_SHARED
+        self._segments: Dict[int, torch.Tensor] = {}
         self.rank = communicator.Get_rank()
         if nbytes:
             self.local = torch.frombuffer(self.win.tomemory(), dtype=torch.uint8)
         else:
             self.local = torch.empty(0, dtype=torch.uint8)
 
-    def view(self, offset: int, shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A tensor of ``shape`` and ``dtype`` viewing this rank's memory from byte ``offset``."""
+    def view(self, offset: int, shape: Tuple[int, ...], dtype: torch.dtype,
+             rank: Optional[int] = None) -> torch.Tensor:
+        """A tensor of ``shape`` and ``dtype`` viewing the memory of ``rank`` (default: this
+        one) from byte ``offset``. Another rank's memory is seen only in a shared-memory window
+        (:attr:`shared_memory`), and only inside an epoch on it, after :meth:`sync`."""
+        memory = self.local if rank is None or rank == self.rank else self._segment(rank)
         numel = torch.Size(shape).numel()
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        return self.local[offset:offset + nbytes].view(dtype).view(shape)
+        return memory[offset:offset + nbytes].view(dtype).view(shape)
+
+    def _segment(self, rank: int) -> torch.Tensor:
+        if not self.shared_memory:
+            raise RuntimeError(f"rank {self.rank} cannot see rank {rank}'s window memory: the "
+                               "window is not in shared memory")
+        if rank not in self._segments:
+            memory, _ = self.win.Shared_query(rank)
+            self._segments[rank] = (torch.frombuffer(memory, dtype=torch.uint8) if len(memory)
+                                    else torch.empty(0, dtype=torch.uint8))
+        return self._segments[rank]
+
+    def sync(self) -> None:
+        """Order this rank's direct loads and stores of window memory with everyone's RMA
+        (``MPI.Win.Sync``); call it inside an epoch, after taking and before releasing it."""
+        self.win.Sync()
 
     def _transfer(self, method, tensor: torch.Tensor, rank: int, offset: int, **kwargs) -> None:
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
@@ -123,5 +121,6 @@ class Window:
     def free(self) -> None:
         """Release the window. Collective; local views of it must not be used afterwards."""
         self.local = torch.empty(0, dtype=torch.uint8)
+        self._segments.clear()
         if self.win != MPI.WIN_NULL and not MPI.Is_finalized():
             self.win.Free()
