@@ -90,8 +90,9 @@ def test_constructor_validation():
     sparse = torch.sparse_coo_tensor([[0]], [1.0], (3,), check_invariants=True).requires_grad_()
     with pytest.raises(ValueError, match="dense"):
         ZeroRedundancyOptimizer([x, sparse], torch.optim.SGD, lr=0.1)
-    with pytest.raises(NotImplementedError, match="overlap_with_ddp"):
-        ZeroRedundancyOptimizer([x], torch.optim.SGD, overlap_with_ddp=True, lr=0.1)
+    with pytest.raises(ValueError, match="single parameter group"):
+        ZeroRedundancyOptimizer([{"params": [x]}, {"params": [torch.ones(1)]}], torch.optim.SGD,
+                                overlap_with_ddp=True, lr=0.1)
 
     model = _model()
     from_generator = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
@@ -509,3 +510,51 @@ def test_load_state_dict_checks_the_groups():
         zero.load_state_dict({"state": {}, "param_groups": [{"params": [0]}, {"params": [1]}]})
     with pytest.raises(ValueError, match="has 1 parameters"):
         zero.load_state_dict({"state": {}, "param_groups": [{"params": [0], "lr": 0.1}]})
+
+
+# -- overlap with DistributedDataParallel ---------------------------------------------------
+
+def _rank_data(rank, step):
+    return torch.randn(5, 4, generator=torch.Generator().manual_seed(100 * rank + step))
+
+
+@pytest.mark.parametrize("optimizer_class,kwargs", OPTIMIZERS[:2])
+def test_overlap_with_ddp(world, optimizer_class, kwargs):
+    from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook import (
+        hook_with_zero_step)
+    from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from tensorplay_hpc.distributed.parallel import DistributedDataParallel
+
+    rank, size = world.Get_rank(), world.Get_size()
+    model, reference = _model(), _model()
+    ddp = DistributedDataParallel(model, bucket_cap_mb=100 / 2**20)  # 3 buckets of ~100 bytes
+    zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class, overlap_with_ddp=True,
+                                   **kwargs)
+    with pytest.raises(RuntimeError, match="register_comm_hook"):
+        zero.consolidate_state_dict()
+    ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))
+    assert len(ddp.buckets) == 3
+    # buckets of 27, 48 and 40 elements, each to the least loaded rank
+    expected_owners = {1: [0, 0, 0], 2: [0, 1, 0], 4: [0, 1, 2]}
+    if size in expected_owners:
+        assert zero._overlap.owners == expected_owners[size]
+    plain = optimizer_class(reference.parameters(), **kwargs)
+    for step in range(6):
+        zero.zero_grad()
+        ddp(_rank_data(rank, step)).sin().sum().backward()  # steps: no warm-up, no zero.step()
+        plain.zero_grad()
+        for r in range(size):
+            reference(_rank_data(r, step)).sin().sum().backward()
+        for p in reference.parameters():
+            p.grad /= size
+        plain.step()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    with pytest.warns(UserWarning, match="does nothing"):
+        assert zero.step() is None
+    ours = _consolidated(zero, world)
+    theirs = plain.state_dict()
+    assert ours["param_groups"] == theirs["param_groups"]
+    for index, state in theirs["state"].items():
+        for key, value in state.items():
+            torch.testing.assert_close(ours["state"][index][key], value, rtol=1e-5, atol=1e-6)

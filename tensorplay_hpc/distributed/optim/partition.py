@@ -35,6 +35,19 @@ class Partition:
         for numels in group_numels:
             self.add_group(numels)
 
+    @classmethod
+    def assigned(cls, rank_of: Sequence[int], world_size: int,
+                 numels: Sequence[int]) -> "Partition":
+        """A one-group partition with the given owners (kept in index order on each rank)."""
+        partition = cls([], world_size)
+        partition.rank_of = list(rank_of)
+        per_rank: List[List[int]] = [[] for _ in range(world_size)]
+        for index, rank in enumerate(rank_of):
+            per_rank[rank].append(index)
+            partition.loads[rank] += int(numels[index])
+        partition.groups.append(per_rank)
+        return partition
+
     def add_group(self, numels: Sequence[int]) -> List[List[int]]:
         """Assign a new group's parameters (numbered after all earlier ones); returns its
         ``[rank] -> global indices`` lists."""

@@ -32,6 +32,7 @@ Internal API, for checkpointing (stable within this package):
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Mapping
 from itertools import chain
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Type
@@ -43,6 +44,7 @@ from torch.optim import Optimizer
 from tensorplay_hpc import comm
 from tensorplay_hpc.distributed.algorithms.join import Join, Joinable, JoinHook
 
+from .ddp_overlap import DDPOverlap
 from .partition import Partition
 from .shard_buffer import ShardBuffer
 from .state_gather import gather_state
@@ -140,7 +142,8 @@ class _ZeROJoinHook(JoinHook):
         self.zero = zero
 
     def main_hook(self) -> None:
-        self.zero._step(None, notify=False)
+        if not self.zero._overlap_with_ddp:  # overlapped, the step is in DDP's backward pass
+            self.zero._step(None, notify=False)
 
 
 class ZeroRedundancyOptimizer(Optimizer, Joinable):
@@ -155,13 +158,17 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         process_group: an mpi4py intracommunicator; ``None`` is ``MPI.COMM_WORLD``.
         parameters_as_bucket_view: make the parameters views into one flat buffer per dtype and
             device (their ``.data`` is replaced), so the sync after a step copies nothing.
-        overlap_with_ddp: not supported yet (raises ``NotImplementedError``).
+        overlap_with_ddp: step each rank's shard during DDP's backward pass, as soon as the
+            gradient buckets it owns are reduced (see :mod:`.ddp_overlap`): register
+            ``hook_with_zero_step(allreduce_hook, ddp, zero)`` as the DDP communication hook
+            and do not call :meth:`step`. One param group only.
         **defaults: hyperparameters passed to the local optimizers.
 
     Raises:
         TypeError: ``params`` is a single tensor, not iterable, or holds something else than
             tensors or param-group dicts.
-        ValueError: ``params`` is empty, a group lacks ``'params'``, or a parameter is sparse.
+        ValueError: ``params`` is empty, a group lacks ``'params'``, a parameter is sparse, or
+            several param groups are given with ``overlap_with_ddp=True``.
     """
 
     def __init__(self, params: Any, optimizer_class: Type[Optimizer],
@@ -172,10 +179,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         caller_rank = (parent.Get_rank() if parent != MPI.COMM_NULL
                        else MPI.COMM_WORLD.Get_rank())
         groups = _param_groups(params, caller_rank)
-        if overlap_with_ddp:
-            raise NotImplementedError(
-                "ZeroRedundancyOptimizer(overlap_with_ddp=True) is not supported yet: step the "
-                "optimizer after backward() instead (overlap_with_ddp=False)")
+        if overlap_with_ddp and len(groups) != 1:
+            raise ValueError("ZeroRedundancyOptimizer with overlap_with_ddp=True supports a single "
+                             f"parameter group, got {len(groups)} (rank {caller_rank})")
         self._initialized = False
         Optimizer.__init__(self, groups, defaults)
         Joinable.__init__(self)
@@ -183,22 +189,52 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._group = comm.ProcessGroup(parent)
         self.rank: int = self._group.rank
         self.world_size: int = self._group.size
+        if overlap_with_ddp and parameters_as_bucket_view:
+            warnings.warn("parameters_as_bucket_view=True is ignored with overlap_with_ddp=True: "
+                          "parameters become views into one buffer per DDP bucket instead",
+                          stacklevel=2)
+            parameters_as_bucket_view = False
         self.parameters_as_bucket_view = parameters_as_bucket_view
-        self._overlap_with_ddp = overlap_with_ddp
+        self._optimizer_class = optimizer_class
+        self._local_defaults = defaults
         self.params_by_index: List[torch.Tensor] = list(
             chain.from_iterable(g["params"] for g in self.param_groups))
         self._index_of = {param: index for index, param in enumerate(self.params_by_index)}
-        self.partition = Partition([[p.numel() for p in g["params"]] for g in self.param_groups],
-                                   self.world_size)
-        self.optim: Optimizer = optimizer_class(
-            [self._local_group(g) for g in range(len(self.param_groups))], **defaults)
-        _copy_hyperparameters(self.optim.param_groups, self.param_groups)
-        self.state = _ShardState(self.optim.state)
         self._trainable = self._trainable_mask()
         self._buffers: List[ShardBuffer] = []
-        self._build_buffers()
         self._consolidated: Optional[Dict[int, Dict[Any, Any]]] = None
+        self._overlap: Optional[DDPOverlap] = None
+        self._overlap_with_ddp = overlap_with_ddp
+        if not overlap_with_ddp:  # else the partition follows DDP's buckets (ddp_overlap)
+            self._init_local_optimizer(Partition(
+                [[p.numel() for p in g["params"]] for g in self.param_groups], self.world_size))
+            self._build_buffers()
         self._initialized = True
+
+    def _init_local_optimizer(self, partition: Partition) -> None:
+        self.partition = partition
+        self.optim: Optimizer = self._optimizer_class(
+            [self._local_group(g) for g in range(len(self.param_groups))], **self._local_defaults)
+        _copy_hyperparameters(self.optim.param_groups, self.param_groups)
+        self.state = _ShardState(self.optim.state)
+
+    def _overlap_with(self, ddp: Any) -> DDPOverlap:
+        """Take the partition from ``ddp``'s gradient buckets (``overlap_with_ddp=True``)."""
+        if not self._overlap_with_ddp:
+            raise RuntimeError("hook_with_zero_step needs a ZeroRedundancyOptimizer built with "
+                               f"overlap_with_ddp=True (rank {self.rank})")
+        if self._overlap is not None:
+            raise RuntimeError("this ZeroRedundancyOptimizer is already overlapped with a "
+                               f"DistributedDataParallel model (rank {self.rank})")
+        self._overlap = DDPOverlap(self, ddp)
+        return self._overlap
+
+    def _require_local_optimizer(self, what: str) -> None:
+        if self._overlap_with_ddp and self._overlap is None:
+            raise RuntimeError(
+                f"{what} needs the local optimizer, which overlap_with_ddp=True builds when the "
+                "DDP hook is made: call ddp.register_comm_hook(None, hook_with_zero_step("
+                f"allreduce_hook, ddp, zero)) first (rank {self.rank})")
 
     # -- partition and buffers -------------------------------------------------------------
 
@@ -238,6 +274,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Add a param group; its parameters are partitioned after the existing ones (which
         stay where they are). Collective: call it on every rank with the same group."""
+        if self._initialized and self._overlap_with_ddp:
+            raise RuntimeError("ZeroRedundancyOptimizer with overlap_with_ddp=True supports a "
+                               f"single parameter group (rank {self.rank})")
         super().add_param_group(param_group)
         if not self._initialized:
             return
@@ -265,8 +304,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             **kwargs: passed to the local optimizer's ``step``.
 
         Returns:
-            The loss the local optimizer returns, if any.
+            The loss the local optimizer returns, if any. With ``overlap_with_ddp=True`` the
+            step happens in the backward pass: this warns and returns ``None``.
         """
+        if self._overlap_with_ddp:
+            warnings.warn("step() does nothing with overlap_with_ddp=True: the DDP hook made by "
+                          "hook_with_zero_step steps during the backward pass", stacklevel=2)
+            return None
         return self._step(closure, notify=True, **kwargs)
 
     def _step(self, closure: Optional[Callable[[], float]], notify: bool,
@@ -286,8 +330,26 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._sync_params()
         return loss
 
+    def _step_with_gradients(self, params: List[torch.Tensor],
+                             grads: List[torch.Tensor]) -> None:
+        """Step only ``params`` (owned by this rank), with ``grads`` as their gradients."""
+        owned = [p for group in self.optim.param_groups for p in group["params"]]
+        saved = [p.grad for p in owned]
+        for param in owned:
+            param.grad = None
+        for param, grad in zip(params, grads):
+            param.grad = grad
+        _copy_hyperparameters(self.param_groups, self.optim.param_groups)
+        try:
+            self.optim.step()
+        finally:
+            for param, grad in zip(owned, saved):
+                param.grad = grad
+        _copy_hyperparameters(self.optim.param_groups, self.param_groups)
+
     def local_state_by_index(self) -> Dict[int, Dict[Any, Any]]:
         """This rank's local optimizer state keyed by global parameter index (live, not copied)."""
+        self._require_local_optimizer("local_state_by_index()")
         return {self._index_of[param]: state for param, state in self.optim.state.items()}
 
     def consolidate_state_dict(self, to: int = 0) -> None:
@@ -298,6 +360,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if not 0 <= to < self.world_size:
             raise ValueError(f"consolidate_state_dict: to={to} is not a rank of this group of "
                              f"{self.world_size} (rank {self.rank})")
+        self._require_local_optimizer("consolidate_state_dict()")
         _copy_hyperparameters(self.param_groups, self.optim.param_groups)
         self._consolidated = None
         self._consolidated = gather_state(self.local_state_by_index(), self._group.comm, to)
@@ -338,6 +401,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         Raises:
             ValueError: the numbers of groups, or of parameters in a group, differ.
         """
+        self._require_local_optimizer("load_state_dict()")
         state_dict = dict(state_dict)
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
