@@ -7,7 +7,7 @@ import traceback
 from pathlib import Path
 
 from .config import DEVICES, INNER_OPTIMIZERS, OPTIMIZERS, TrainConfig
-from .preemption import EXIT_PREEMPTED
+from .preemption import EXIT_PREEMPTED, Preemption
 
 DESCRIPTION = f"""\
 Train a small character-level transformer on the source of Python's standard library, data
@@ -85,9 +85,10 @@ def run(args: argparse.Namespace) -> int:
         if world.Get_rank() == 0:
             print(f"tensorplay-hpc train: error: {error}", file=sys.stderr)
         return 2
-    from .loop import train
     try:
-        return train(config, world).exit_code
+        with Preemption() as preemption:  # before the slow setup: a signal then still counts
+            from .loop import train
+            return train(config, world, preemption).exit_code
     except BaseException as error:  # noqa: B036 - any failure must take the whole job down
         if world.Get_size() == 1 or isinstance(error, SystemExit):
             raise

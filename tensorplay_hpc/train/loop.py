@@ -165,40 +165,41 @@ class Run:
 
     # -- the run ----------------------------------------------------------------------------
 
-    def train(self) -> Outcome:
-        """Train to ``config.steps``, checkpointing every ``checkpoint_every`` steps, at a
-        signal and at the end. Collective."""
+    def train(self, preemption: Preemption) -> Outcome:
+        """Train to ``config.steps``, checkpointing every ``checkpoint_every`` steps, at the end,
+        and when ``preemption`` caught a signal on any rank. Collective."""
         config = self.config
         self._introduce()
         if config.resume:
             self._resume()
         progress = Progress(self.group.rank, config.steps, self.history.step, bar=config.progress)
         seconds, steps_here, exit_code = 0.0, 0, 0
-        with Preemption() as preemption:
-            while self.history.step < config.steps:
-                started = time.perf_counter()
-                local_loss = self._step(self.history.step)
-                loss, stop = preemption.agree(local_loss, self.group.comm)
-                seconds += time.perf_counter() - started
-                steps_here += 1
-                speed = steps_here * self.tokens_per_step / seconds
-                self.history.losses.append(loss)
-                self.history.tokens_per_second.append(speed)
-                progress.step(loss, speed)
-                done = self.history.step
-                if (config.eval_every and done % config.eval_every == 0) or done == config.steps:
-                    self.history.validation[done] = self._validate()
-                if stop:
-                    progress.say(f"{preemption.name}: stopping at step {done} of {config.steps}")
-                    self._save(progress, "preempted")
-                    exit_code = EXIT_PREEMPTED
-                    break
-                if done == config.steps or (config.checkpoint_every and done % config.checkpoint_every == 0):
-                    self._save(progress, "final" if done == config.steps else "periodic")
+        while self.history.step < config.steps:
+            started = time.perf_counter()
+            local_loss = self._step(self.history.step)
+            loss, stop = preemption.agree(local_loss, self.group.comm)
+            seconds += time.perf_counter() - started
+            steps_here += 1
+            speed = steps_here * self.tokens_per_step / seconds
+            self.history.losses.append(loss)
+            self.history.tokens_per_second.append(speed)
+            progress.step(loss, speed)
+            done = self.history.step
+            if (config.eval_every and done % config.eval_every == 0) or done == config.steps:
+                self.history.validation[done] = self._validate()
+            if stop:
+                progress.say(f"{preemption.name}: stopping at step {done} of {config.steps}")
+                self._save(progress, "preempted")
+                exit_code = EXIT_PREEMPTED
+                break
+            if done == config.steps or (config.checkpoint_every
+                                        and done % config.checkpoint_every == 0):
+                self._save(progress, "final" if done == config.steps else "periodic")
         progress.close()
         self._write_outputs()
         outcome = Outcome(
-            steps=self.history.step, loss=self.history.losses[-1] if self.history.losses else float("nan"),
+            steps=self.history.step,
+            loss=self.history.losses[-1] if self.history.losses else float("nan"),
             validation_loss=self.history.validation.get(self.history.step),
             tokens_per_second=steps_here * self.tokens_per_step / seconds if seconds else 0.0,
             checkpoint=self.last_checkpoint, exit_code=exit_code)
@@ -224,7 +225,14 @@ class Run:
         self._say(f"checkpoints: {config.checkpoint_dir} (latest {outcome.checkpoint})")
 
 
-def train(config: TrainConfig, world: MPI.Intracomm = MPI.COMM_WORLD) -> Outcome:
-    """Run :class:`Run` for ``config`` on every rank of ``world``. Collective."""
-    return Run(config, world).train()
+def train(config: TrainConfig, world: MPI.Intracomm = MPI.COMM_WORLD,
+          preemption: Optional[Preemption] = None) -> Outcome:
+    """Build a :class:`Run` for ``config`` and train, on every rank of ``world``. Collective.
+
+    Pass ``preemption`` entered early (before the slow imports and setup) to catch signals
+    that arrive during startup; by default the run catches them from here on."""
+    if preemption is not None:
+        return Run(config, world).train(preemption)
+    with Preemption() as caught:
+        return Run(config, world).train(caught)
 

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import signal
 from types import FrameType
-from typing import Dict, Optional
+from typing import TYPE_CHECKING, Dict, Optional
 
-import torch
-from mpi4py import MPI
-
-from tensorplay_hpc import comm
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 EXIT_PREEMPTED = 85
 """Exit status of a run that stopped on a signal after writing its checkpoint: resume it."""
@@ -40,10 +38,14 @@ class Preemption:
         for number, handler in self._previous.items():
             signal.signal(number, handler)
 
-    def agree(self, loss: float, communicator: MPI.Intracomm) -> tuple[float, bool]:
+    def agree(self, loss: float, communicator: "MPI.Intracomm") -> tuple[float, bool]:
         """Average a step's loss over the ranks and agree whether any rank was signalled, in one
         tiny allreduce. Collective: every rank calls it once per step, so all stop at the same
         step. Returns ``(mean loss, stop)``."""
+        import torch  # here, not above: the handlers go in before the slow imports
+
+        from tensorplay_hpc import comm
+
         values = torch.tensor([loss, float(self.signal is not None)], dtype=torch.float64)
         comm.all_reduce(values, communicator, comm.ReduceOp.SUM)
         return values[0].item() / communicator.Get_size(), values[1].item() > 0

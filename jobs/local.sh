@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Train on a workstation with mpiexec, resuming from the newest checkpoint if there is one.
+#
+#   jobs/local.sh [train options]          RANKS=4 jobs/local.sh --steps 1000
+#
+# RANKS (default 2) processes; options go to `tensorplay-hpc train` (see --help). Ctrl-C
+# aborts; `kill -USR1` or `kill -TERM` of this script (or of mpiexec) makes the ranks
+# checkpoint and stop with exit status 85: run the script again to continue from there.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# shellcheck source=jobs/preemptible.sh
+source "$root/jobs/preemptible.sh"
+if [ -f "$root/scripts/env.sh" ]; then
+    # shellcheck source=scripts/env.sh
+    source "$root/scripts/env.sh"
+else
+    MPIEXEC=(mpiexec)
+fi
+
+status=0
+run_preemptible "${MPIEXEC[@]}" -n "${RANKS:-2}" python -m tensorplay_hpc train --resume "$@" \
+    || status=$?
+if [ "$status" -eq "$EXIT_PREEMPTED" ]; then
+    echo "[job] stopped at a checkpoint: run $0 again with the same options to resume"
+fi
+exit "$status"

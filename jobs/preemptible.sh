@@ -1,0 +1,45 @@
+# shellcheck shell=bash
+# Sourced by the job scripts: run a training command so that a preemption warning reaches it.
+#
+# run_preemptible CMD ARGS... starts CMD in the background, turns SIGUSR1 and SIGTERM received
+# by this shell (Slurm's `--signal=B:USR1@...`, a scheduler's TERM, `kill`) into SIGUSR1 for
+# CMD (srun and mpiexec forward it to every rank), and returns CMD's exit status. The training
+# then finishes its step, checkpoints and exits with EXIT_PREEMPTED.
+
+# Exit status of `tensorplay-hpc train` after a checkpoint written on a signal (resume it).
+EXIT_PREEMPTED=85
+
+run_preemptible() {
+    local child status forwarded
+    "$@" &
+    child=$!
+    forwarded=0
+    # shellcheck disable=SC2064 # the child's pid is fixed now, on purpose
+    trap "forwarded=1; echo \"[job] \$(date +%T) signal received: asking the training to checkpoint and stop\"; kill -USR1 $child 2>/dev/null || true" USR1 TERM
+    while :; do
+        status=0
+        wait "$child" || status=$?
+        # A trapped signal interrupts `wait` with a status above 128: wait again for the child.
+        if [ "$forwarded" -eq 1 ] && [ "$status" -gt 128 ]; then
+            forwarded=0
+            continue
+        fi
+        break
+    done
+    trap - USR1 TERM
+    return "$status"
+}
+
+# run_requeueable CMD ARGS... (in a Slurm batch script): run_preemptible CMD; when it stopped at
+# a checkpoint, requeue this job (the next run resumes) and exit 0; otherwise exit with its status.
+run_requeueable() {
+    local status=0
+    run_preemptible "$@" || status=$?
+    if [ "$status" -eq "$EXIT_PREEMPTED" ]; then
+        echo "[job] $(date +%T) checkpoint written: requeueing job $SLURM_JOB_ID to resume"
+        scontrol requeue "$SLURM_JOB_ID"
+        exit 0
+    fi
+    echo "[job] $(date +%T) training exited with status $status"
+    exit "$status"
+}

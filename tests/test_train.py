@@ -1,0 +1,168 @@
+"""Tests of ``tensorplay-hpc train``: data, model, history, and resumes that reproduce an
+uninterrupted run exactly; in process at every world size, and as a program under mpiexec."""
+import shutil
+import signal
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from mpi4py import MPI
+
+from tensorplay_hpc.train.config import TrainConfig
+from tensorplay_hpc.train.data import VALIDATION_EVERY, Corpus, batch_for_rank, stdlib_files
+from tensorplay_hpc.train.history import History
+from tensorplay_hpc.train.loop import EXIT_PREEMPTED, train
+from tensorplay_hpc.train.preemption import Preemption
+from train_launch import (ONLY_UNDER_ONE_RANK, REPO, clean_env, losses, restarts, single_rank,
+                          train_command)
+
+WORLD = MPI.COMM_WORLD
+
+
+@pytest.fixture
+def shared_dir():
+    """A temporary folder that every rank sees (made by rank 0), removed afterwards."""
+    folder = Path(WORLD.bcast(tempfile.mkdtemp(prefix="tensorplay-train-") if WORLD.rank == 0
+                              else None))
+    yield folder
+    WORLD.Barrier()
+    if WORLD.rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def tiny(folder: Path, **settings) -> TrainConfig:
+    values = dict(layers=1, width=32, heads=2, context=16, batch_size=8, eval_every=0,
+                  eval_batches=1, progress=False, threads=1, warmup_steps=2, average_period=2,
+                  run_dir=folder)
+    values.update(settings)
+    return TrainConfig(**values)
+
+
+# -- data, history, settings ------------------------------------------------------------------
+
+def test_corpus_is_the_sorted_stdlib_split_by_position():
+    files = stdlib_files()
+    assert files == sorted(files, key=lambda p: str(p))
+    assert all(p.suffix == ".py" and "site-packages" not in p.parts for p in files)
+    corpus = Corpus.from_stdlib()
+    validation = files[VALIDATION_EVERY - 1::VALIDATION_EVERY]
+    assert corpus.files == len(files)
+    assert corpus.validation.numel() == sum(p.stat().st_size for p in validation)
+    assert corpus.train.numel() + corpus.validation.numel() == sum(p.stat().st_size for p in files)
+    assert bytes(corpus.validation[:64].tolist()) == validation[0].read_bytes()[:64]
+
+
+def test_rank_slices_make_up_the_global_batch():
+    text = torch.arange(1000, dtype=torch.int64).to(torch.uint8)
+    whole_x, whole_y = batch_for_rank(text, seed=3, step=7, batch_size=8, context=5, rank=0,
+                                      world_size=1)
+    parts = [batch_for_rank(text, seed=3, step=7, batch_size=8, context=5, rank=r, world_size=4)
+             for r in range(4)]
+    assert torch.equal(torch.cat([x for x, _ in parts]), whole_x)
+    assert torch.equal(torch.cat([y for _, y in parts]), whole_y)
+    assert torch.equal(whole_y[:, :-1], whole_x[:, 1:])
+    assert torch.equal((whole_x[:, 1:] - whole_x[:, :-1]) % 256, torch.ones(8, 4, dtype=torch.int64))
+    again, _ = batch_for_rank(text, seed=3, step=7, batch_size=8, context=5, rank=0, world_size=1)
+    other, _ = batch_for_rank(text, seed=3, step=8, batch_size=8, context=5, rank=0, world_size=1)
+    assert torch.equal(again, whole_x) and not torch.equal(other, whole_x)
+    with pytest.raises(ValueError, match="--batch-size 6 is not a multiple of the 4 ranks"):
+        batch_for_rank(text, seed=3, step=7, batch_size=6, context=5, rank=1, world_size=4)
+
+
+def test_history_survives_a_checkpoint_extra_and_writes_csv(tmp_path):
+    history = History(losses=[5.5, 4.25, 3.0], tokens_per_second=[10.0, 20.0, 30.0],
+                      validation={2: 4.5, 3: 3.5}, restarts=[1])
+    assert History.from_extra(history.to_extra()) == history
+    history.write_csv(tmp_path / "m.csv")
+    assert (tmp_path / "m.csv").read_text().splitlines() == [
+        "step,loss,validation_loss,tokens_per_second,restart",
+        "1,5.500000,,10.0,0", "2,4.250000,4.500000,20.0,1", "3,3.000000,3.500000,30.0,0"]
+
+
+def test_settings_are_checked():
+    with pytest.raises(ValueError, match="--optimizer must be one of zero, postlocal, ddp, local"):
+        TrainConfig(optimizer="adagrad")
+    with pytest.raises(ValueError, match="--width must be at least 1"):
+        TrainConfig(width=0)
+    with pytest.raises(ValueError, match="the checkpoint has --width 64, this run --width 128"):
+        TrainConfig().check_resumable({"layers": 2, "width": 64, "heads": 4, "context": 64})
+    assert TrainConfig(run_dir="x").checkpoint_dir == Path("x/checkpoints")
+
+
+# -- resume in process, at this world size -------------------------------------------------------
+
+@pytest.mark.parametrize("optimizer", ["zero", "postlocal", "ddp", "local"])
+def test_signal_checkpoint_and_resume_reproduce_an_uninterrupted_run(shared_dir, optimizer):
+    whole = train(tiny(shared_dir / "whole", optimizer=optimizer, steps=6))
+    assert whole.exit_code == 0 and whole.steps == 6
+    expected = losses(shared_dir / "whole")
+    assert len(expected) == 6 and float(expected[-1]) < float(expected[0])
+
+    parts = shared_dir / "parts"
+    first = train(tiny(parts, optimizer=optimizer, steps=3))
+    assert first.exit_code == 0 and first.checkpoint.endswith("step-0000003.h5")
+    with Preemption() as preemption:
+        if WORLD.rank == 0:  # one rank is signalled; all must stop at the same step
+            signal.raise_signal(signal.SIGUSR1)
+        stopped = train(tiny(parts, optimizer=optimizer, steps=6, resume=True), preemption=preemption)
+    assert stopped.exit_code == EXIT_PREEMPTED
+    assert stopped.steps == 4 and stopped.checkpoint.endswith("step-0000004.h5")
+    rest = train(tiny(parts, optimizer=optimizer, steps=6, resume=True))
+    assert rest.exit_code == 0 and rest.steps == 6
+    assert losses(parts) == expected
+    assert restarts(parts) == [4, 5]
+    assert rest.loss == whole.loss
+
+
+# -- the program under mpiexec --------------------------------------------------------------------
+
+@pytest.mark.skipif(not single_rank(), reason=ONLY_UNDER_ONE_RANK)
+@pytest.mark.timeout(900)
+def test_program_on_two_ranks_stops_on_sigusr1_and_resumes_exactly(tmp_path):
+    options = ["--steps", "150", "--checkpoint-every", "10", "--eval-every", "50"]
+    whole = subprocess.run(train_command(2, *options, "--run-dir", str(tmp_path / "whole")),
+                           cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+    expected = losses(tmp_path / "whole")
+    assert len(expected) == 150 and float(expected[-1]) < float(expected[0]) - 1.0
+    for line in ("done: 150 steps", "throughput:", "metrics: ", "plot: ", "checkpoints: "):
+        assert line in whole.stdout
+    assert (tmp_path / "whole" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    run_dir = tmp_path / "parts"
+    job = subprocess.Popen(train_command(2, *options, "--run-dir", str(run_dir)), cwd=tmp_path,
+                           env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    for line in job.stdout:
+        seen.append(line)
+        if "checkpoint at step 10 " in line:
+            job.send_signal(signal.SIGUSR1)  # to mpiexec, which forwards it to both ranks
+            break
+    seen.extend(job.stdout)
+    assert job.wait(timeout=300) == EXIT_PREEMPTED, "".join(seen)
+    output = "".join(seen)
+    assert "SIGUSR1: stopping at step" in output and "(preempted)" in output
+    stopped_at = len(losses(run_dir))
+    assert 10 < stopped_at < 150
+    assert (run_dir / "checkpoints" / f"step-{stopped_at:07d}.h5").exists()
+
+    resumed = subprocess.run(train_command(2, *options, "--run-dir", str(run_dir), "--resume"),
+                             cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"at step {stopped_at}" in resumed.stdout
+    assert losses(run_dir) == expected
+    assert restarts(run_dir) == [stopped_at + 1]
+
+
+@pytest.mark.skipif(not single_rank(), reason=ONLY_UNDER_ONE_RANK)
+def test_console_script_and_module_show_the_train_options():
+    script = shutil.which("tensorplay-hpc")
+    assert script is not None, "the tensorplay-hpc console script is not installed"
+    for command in ([script, "train", "--help"], ["python", "-m", "tensorplay_hpc", "train", "--help"]):
+        result = subprocess.run(command, cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                                timeout=120)
+        assert result.returncode == 0, result.stderr
+        for option in ("--optimizer", "--inner", "--checkpoint-every", "--resume", "--device"):
+            assert option in result.stdout
