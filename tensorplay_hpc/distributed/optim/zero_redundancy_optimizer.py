@@ -18,13 +18,17 @@ Where this differs from PyTorch's class:
   are copied, never aliased) and accepts a state dict of a plain ``torch.optim`` optimizer or
   one consolidated at any world size;
 - :attr:`state` shows this rank's shard of the state (other parameters read as empty);
-- the join hook steps without announcing itself again, so ZeRO works alone in a :class:`Join`.
+- the join hook steps without announcing itself again, so ZeRO works alone in a :class:`Join`;
+- ``overlap_with_ddp=True`` wraps any ``torch.optim`` class (no functional optimizer needed)
+  and has no warm-up iterations: the first backward pass already steps (see
+  :mod:`.ddp_overlap` and ``ddp_comm_hooks.ddp_zero_hook.hook_with_zero_step``).
 
 Internal API, for checkpointing (stable within this package):
 
 - ``zero.partition`` (:class:`~.partition.Partition`): ``partition.rank_of[i]`` is the rank
   owning the parameter of global index ``i`` (the ``state_dict`` numbering);
-  ``partition.groups[g][r]`` lists the global indices rank ``r`` owns in param group ``g``;
+  ``partition.groups[g][r]`` lists the global indices rank ``r`` owns in param group ``g``
+  (with ``overlap_with_ddp=True`` it follows DDP's buckets and exists once the hook is made);
 - ``zero.params_by_index``: the parameters, by global index;
 - ``zero.local_state_by_index()``: this rank's local optimizer state as
   ``{global index: {key: value}}`` (live objects, not copies).
