@@ -7,6 +7,8 @@ import torch
 from mpi4py import MPI
 
 from tensorplay_hpc import comm
+from tensorplay_hpc.comm.dtypes import reduce_dtype
+from tensorplay_hpc.comm.pieces import all_reduce_in_pieces
 from tensorplay_hpc.comm.private import private_comm
 
 __all__ = ["average_parameters", "average_parameters_or_parameter_groups",
@@ -38,17 +40,20 @@ def average_on_communicator(params: Params, communicator: MPI.Comm) -> None:
     if communicator == MPI.COMM_NULL:
         return
     tensors = [p.detach() for p in get_params_to_average(params)]
-    comm.all_reduce_coalesced(tensors, communicator, comm.ReduceOp.AVG)
+    for indices, flat in comm.pack_by_dtype_device(tensors, reduce_dtype).values():
+        all_reduce_in_pieces(flat.buffer, communicator, comm.ReduceOp.AVG)
+        flat.copy_to([tensors[i] for i in indices])
 
 
 def average_parameters(params: Params, process_group: Optional[MPI.Comm] = None) -> None:
     """Average the parameters (or optimizer param groups) that have a gradient across
     ``process_group`` (``None`` is ``MPI.COMM_WORLD``), in place.
 
-    All of them travel in one flat buffer per dtype (a single allreduce for a model of one
-    dtype). Unlike PyTorch, the parameters keep their own storage: the averages are copied back
-    rather than the parameters being re-pointed into the flat buffer. Traffic goes over a private
-    duplicate of ``process_group``, made on the first call and cached on the communicator.
+    All of them travel in one flat buffer per dtype (16-bit floats packed as float32), reduced
+    in cache-sized pieces (:mod:`tensorplay_hpc.comm.pieces`). Unlike PyTorch, the parameters
+    keep their own storage: the averages are copied back rather than the parameters being
+    re-pointed into the flat buffer. Traffic goes over a private duplicate of ``process_group``,
+    made on the first call and cached on the communicator.
 
     Collective over ``process_group``; every rank must pass parameters of the same shapes with
     gradients. A rank where the group is ``MPI.COMM_NULL`` (outside a ``Split``) keeps its values.
