@@ -13,9 +13,11 @@ import torch
 from mpi4py import MPI
 
 from .chunking import chunk_elements, chunks
+from .consistency import check_collective
 from .dtypes import ReduceOp, reduce_dtype, reduce_op
 from .flat_buffer import pack_by_dtype_device
 from .staging import Staged
+from .watchdog import watched
 from .work import Work, complete
 
 
@@ -44,31 +46,35 @@ def all_reduce(tensor: torch.Tensor, comm: MPI.Intracomm, op: ReduceOp = ReduceO
     op = ReduceOp(op)
     staged = Staged(tensor, reduce=True)
     mpi_op = reduce_op(staged.work.dtype, op)
+    check_collective(comm, "all_reduce", count=staged.count, dtype=str(tensor.dtype), op=op.name)
     requests = []
-    for start, n in chunks(staged.count):
-        if async_op:
-            requests.append(comm.Iallreduce(MPI.IN_PLACE, staged.buf(start, n), mpi_op))
-        else:
-            comm.Allreduce(MPI.IN_PLACE, staged.buf(start, n), mpi_op)
+    with watched("all_reduce", comm):
+        for start, n in chunks(staged.count):
+            if async_op:
+                requests.append(comm.Iallreduce(MPI.IN_PLACE, staged.buf(start, n), mpi_op))
+            else:
+                comm.Allreduce(MPI.IN_PLACE, staged.buf(start, n), mpi_op)
 
     def finish() -> None:
         if op is ReduceOp.AVG:
             staged.work.div_(comm.Get_size())
         staged.finish()
-    return complete(requests, finish, async_op)
+    return complete(requests, finish, async_op, operation="all_reduce", comm=comm)
 
 
 def broadcast(tensor: torch.Tensor, comm: MPI.Intracomm, root: int = 0,
               async_op: bool = False) -> Optional[Work]:
     """Copy ``tensor`` from rank ``root`` into ``tensor`` on every other rank."""
     staged = Staged(tensor, copy_in=comm.Get_rank() == root)
+    check_collective(comm, "broadcast", count=staged.count, dtype=str(tensor.dtype), root=root)
     requests = []
-    for start, n in chunks(staged.count):
-        if async_op:
-            requests.append(comm.Ibcast(staged.buf(start, n), root))
-        else:
-            comm.Bcast(staged.buf(start, n), root)
-    return complete(requests, staged.finish, async_op)
+    with watched("broadcast", comm):
+        for start, n in chunks(staged.count):
+            if async_op:
+                requests.append(comm.Ibcast(staged.buf(start, n), root))
+            else:
+                comm.Bcast(staged.buf(start, n), root)
+    return complete(requests, staged.finish, async_op, operation="broadcast", comm=comm)
 
 
 def all_gather_v(output: torch.Tensor, counts: Sequence[int], comm: MPI.Intracomm,
@@ -91,22 +97,24 @@ def all_gather_v(output: torch.Tensor, counts: Sequence[int], comm: MPI.Intracom
     staged = Staged(output, copy_in=input is None)
     if input is not None:
         staged.work.view(-1)[displs[rank]:displs[rank] + counts[rank]].copy_(input.reshape(-1))
+    check_collective(comm, "all_gather_v", counts=counts, dtype=str(output.dtype))
     requests = []
-    if staged.count <= chunk_elements():
-        spec = [staged.buf()[0], (counts, displs), staged.datatype]
-        if async_op:
-            requests.append(comm.Iallgatherv(MPI.IN_PLACE, spec))
-        else:
-            comm.Allgatherv(MPI.IN_PLACE, spec)
-    else:  # too long for one call: each rank broadcasts its part, chunk by chunk
-        for owner in range(comm.Get_size()):
-            for start, n in chunks(counts[owner]):
-                buf = staged.buf(displs[owner] + start, n)
-                if async_op:
-                    requests.append(comm.Ibcast(buf, owner))
-                else:
-                    comm.Bcast(buf, owner)
-    return complete(requests, staged.finish, async_op)
+    with watched("all_gather_v", comm):
+        if staged.count <= chunk_elements():
+            spec = [staged.buf()[0], (counts, displs), staged.datatype]
+            if async_op:
+                requests.append(comm.Iallgatherv(MPI.IN_PLACE, spec))
+            else:
+                comm.Allgatherv(MPI.IN_PLACE, spec)
+        else:  # too long for one call: each rank broadcasts its part, chunk by chunk
+            for owner in range(comm.Get_size()):
+                for start, n in chunks(counts[owner]):
+                    buf = staged.buf(displs[owner] + start, n)
+                    if async_op:
+                        requests.append(comm.Ibcast(buf, owner))
+                    else:
+                        comm.Bcast(buf, owner)
+    return complete(requests, staged.finish, async_op, operation="all_gather_v", comm=comm)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, comm: MPI.Intracomm,
@@ -121,12 +129,14 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, comm: MPI.Intracomm,
     send = Staged(input)
     recv = Staged(output, copy_in=False)
     spec = [recv.buf()[0], input.numel(), recv.datatype]  # the count is per rank
+    check_collective(comm, "all_gather", count=input.numel(), dtype=str(input.dtype))
     requests = []
-    if async_op:
-        requests.append(comm.Iallgather(send.buf(), spec))
-    else:
-        comm.Allgather(send.buf(), spec)
-    return complete(requests, recv.finish, async_op, keep=[send])
+    with watched("all_gather", comm):
+        if async_op:
+            requests.append(comm.Iallgather(send.buf(), spec))
+        else:
+            comm.Allgather(send.buf(), spec)
+    return complete(requests, recv.finish, async_op, keep=[send], operation="all_gather", comm=comm)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, comm: MPI.Intracomm,
@@ -148,28 +158,30 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, comm: MPI.Intracom
     send = Staged(input, reduce=True)
     recv = Staged(output, reduce=True, copy_in=False)
     mpi_op = reduce_op(send.work.dtype, op)
+    check_collective(comm, "reduce_scatter", counts=counts, dtype=str(input.dtype), op=op.name)
     requests = []
-    if send.count <= chunk_elements():
-        if async_op:
-            requests.append(comm.Ireduce_scatter(send.buf(), recv.buf(), counts, mpi_op))
-        else:
-            comm.Reduce_scatter(send.buf(), recv.buf(), counts, mpi_op)
-    else:  # too long for one call: reduce each rank's part to it, chunk by chunk
-        displs = _displacements(counts)
-        for owner in range(size):
-            for start, n in chunks(counts[owner]):
-                target = recv.buf(start, n) if owner == rank else None
-                args = (send.buf(displs[owner] + start, n), target, mpi_op, owner)
-                if async_op:
-                    requests.append(comm.Ireduce(*args))
-                else:
-                    comm.Reduce(*args)
+    with watched("reduce_scatter", comm):
+        if send.count <= chunk_elements():
+            if async_op:
+                requests.append(comm.Ireduce_scatter(send.buf(), recv.buf(), counts, mpi_op))
+            else:
+                comm.Reduce_scatter(send.buf(), recv.buf(), counts, mpi_op)
+        else:  # too long for one call: reduce each rank's part to it, chunk by chunk
+            displs = _displacements(counts)
+            for owner in range(size):
+                for start, n in chunks(counts[owner]):
+                    target = recv.buf(start, n) if owner == rank else None
+                    args = (send.buf(displs[owner] + start, n), target, mpi_op, owner)
+                    if async_op:
+                        requests.append(comm.Ireduce(*args))
+                    else:
+                        comm.Reduce(*args)
 
     def finish() -> None:
         if op is ReduceOp.AVG:
             recv.work.div_(size)
         recv.finish()
-    return complete(requests, finish, async_op, keep=[send])
+    return complete(requests, finish, async_op, keep=[send], operation="reduce_scatter", comm=comm)
 
 
 def gather(input: torch.Tensor, comm: MPI.Intracomm, root: int = 0,
@@ -192,18 +204,20 @@ def gather(input: torch.Tensor, comm: MPI.Intracomm, root: int = 0,
     if rank == root:
         recv = Staged(torch.empty(sum(counts), dtype=input.dtype, device=input.device),
                       copy_in=False)
-    if sum(counts) <= chunk_elements():
-        spec = [recv.buf()[0], (counts, displs), recv.datatype] if recv else None
-        comm.Gatherv(send.buf(), spec, root)
-    elif recv is None:  # too long for one call: point to point, chunk by chunk
-        for start, n in chunks(counts[rank]):
-            comm.Send(send.buf(start, n), root)
-    else:
-        recv.work[displs[rank]:displs[rank] + counts[rank]].copy_(send.work.reshape(-1))
-        for source in range(comm.Get_size()):
-            if source != root:
-                for start, n in chunks(counts[source]):
-                    comm.Recv(recv.buf(displs[source] + start, n), source)
+    check_collective(comm, "gather", counts=counts, dtype=str(input.dtype), root=root)
+    with watched("gather", comm):
+        if sum(counts) <= chunk_elements():
+            spec = [recv.buf()[0], (counts, displs), recv.datatype] if recv else None
+            comm.Gatherv(send.buf(), spec, root)
+        elif recv is None:  # too long for one call: point to point, chunk by chunk
+            for start, n in chunks(counts[rank]):
+                comm.Send(send.buf(start, n), root)
+        else:
+            recv.work[displs[rank]:displs[rank] + counts[rank]].copy_(send.work.reshape(-1))
+            for source in range(comm.Get_size()):
+                if source != root:
+                    for start, n in chunks(counts[source]):
+                        comm.Recv(recv.buf(displs[source] + start, n), source)
     return recv.finish() if recv else None
 
 

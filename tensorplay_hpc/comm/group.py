@@ -6,6 +6,8 @@ from typing import Optional
 
 from mpi4py import MPI
 
+from . import watchdog
+
 
 def resolve(process_group: Optional[MPI.Comm]) -> MPI.Comm:
     """Return the communicator a user meant: ``None`` is ``MPI.COMM_WORLD``.
@@ -31,12 +33,14 @@ def is_member(process_group: Optional[MPI.Comm]) -> bool:
 
 def _free(comm: MPI.Comm) -> None:
     if not MPI.Is_finalized() and comm != MPI.COMM_NULL:
+        watchdog.unregister(comm)
         comm.Free()
 
 
 class ProcessGroup:
     """A private duplicate (``Dup``) of a user's communicator, so library traffic never matches
-    the user's own messages. Collective: construct it on every rank of the group.
+    the user's own messages. Collective: construct it on every rank of the group. When the
+    :mod:`.watchdog` is on, its collectives are watched.
 
     The duplicate is freed by :meth:`close`, or when the object is collected.
     """
@@ -50,7 +54,12 @@ class ProcessGroup:
         self.comm: MPI.Intracomm = self.parent.Dup()
         self.rank: int = self.comm.Get_rank()
         self.size: int = self.comm.Get_size()
+        watchdog.register(self.comm, self._describe())
         self._finalizer = weakref.finalize(self, _free, self.comm)
+
+    def _describe(self) -> str:
+        name = self.parent.Get_name() or "unnamed"
+        return f"{name} (private duplicate, world rank {MPI.COMM_WORLD.Get_rank()} is rank {self.rank})"
 
     def close(self) -> None:
         """Free the private communicator. Collective."""

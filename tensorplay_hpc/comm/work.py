@@ -5,17 +5,21 @@ from typing import Callable, List, Optional, Sequence
 
 from mpi4py import MPI
 
+from .watchdog import watched
+
 
 class Work:
     """A nonblocking operation in flight: MPI requests, then local work once they complete
     (copying staged buffers back, dividing an average). Like torch.distributed's ``Work``."""
 
     def __init__(self, requests: Sequence[MPI.Request] = (),
-                 then: Optional[Callable[[], object]] = None, keep: Sequence[object] = ()) -> None:
+                 then: Optional[Callable[[], object]] = None, keep: Sequence[object] = (),
+                 operation: str = "", comm: Optional[MPI.Intracomm] = None) -> None:
         self._requests: List[MPI.Request] = list(requests)
         self._then = then
         self._keep = list(keep)   # buffers MPI may still read: alive until completion
         self._done = False
+        self._watch = (operation, comm)
 
     def _complete(self) -> None:
         self._done = True
@@ -27,7 +31,12 @@ class Work:
     def wait(self) -> bool:
         """Block until the operation has completed and its results are in place."""
         if not self._done:
-            MPI.Request.Waitall(self._requests)
+            operation, comm = self._watch
+            if comm is None:
+                MPI.Request.Waitall(self._requests)
+            else:
+                with watched(f"wait for {operation}", comm):
+                    MPI.Request.Waitall(self._requests)
             self._complete()
         return True
 
@@ -50,10 +59,12 @@ class Work:
 
 
 def complete(requests: List[MPI.Request], then: Callable[[], object], async_op: bool,
-             keep: Sequence[object] = ()) -> Optional[Work]:
+             keep: Sequence[object] = (), operation: str = "",
+             comm: Optional[MPI.Intracomm] = None) -> Optional[Work]:
     """Return a handle for an asynchronous call, or finish a blocking one now. ``keep`` holds
-    the buffers that MPI reads until the requests complete."""
+    the buffers that MPI reads until the requests complete; ``operation`` on ``comm`` is what
+    the watchdog reports if the wait stalls."""
     if not async_op:  # blocking calls have no requests left
         then()
         return None
-    return Work(requests, then, keep)
+    return Work(requests, then, keep, operation, comm)

@@ -1,0 +1,63 @@
+"""Checking that every rank of a group agrees before it starts collectives that would hang or
+corrupt data if the ranks disagreed (different models, optimizers or message sizes)."""
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any, Iterable, List, Sequence, Tuple
+
+import torch
+from mpi4py import MPI
+
+DEBUG_ENV = "TENSORPLAY_HPC_DEBUG"
+
+Item = Tuple[str, Any]
+
+
+def debug_enabled() -> bool:
+    """Whether every collective checks its arguments across ranks first (slow; for debugging)."""
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def tensor_signature(names: Iterable[str], tensors: Iterable[torch.Tensor]) -> List[Item]:
+    """``(name, (shape, dtype, device type))`` for each tensor: what must match across ranks."""
+    return [(name, (tuple(t.shape), str(t.dtype).replace("torch.", ""), t.device.type))
+            for name, t in zip(names, tensors)]
+
+
+def _digest(items: Sequence[Item]) -> str:
+    return hashlib.sha1(repr(list(items)).encode()).hexdigest()
+
+
+def check_consistent(comm: MPI.Intracomm, what: str, items: Sequence[Item]) -> None:
+    """Raise ``ValueError`` on every rank unless all ranks pass equal ``items``. Collective.
+
+    One allgather of a 40-byte digest when the ranks agree; on a mismatch the items themselves
+    are gathered so that the message names the ranks and the first item that differs.
+    """
+    digests = comm.allgather(_digest(items))
+    if len(set(digests)) == 1:
+        return
+    everyone = comm.allgather(list(items))
+    reference = everyone[0]
+    differing = [r for r, d in enumerate(digests) if d != digests[0]]
+    rank = differing[0]
+    theirs = everyone[rank]
+    for index in range(max(len(reference), len(theirs))):
+        mine = reference[index] if index < len(reference) else None
+        other = theirs[index] if index < len(theirs) else None
+        if mine != other:
+            break
+    if len(reference) != len(theirs):
+        detail = f"rank 0 has {len(reference)} entries, rank {rank} has {len(theirs)}"
+    else:
+        detail = f"first difference at {index}: rank 0 has {mine!r}, rank {rank} has {other!r}"
+    raise ValueError(f"{what}: ranks {differing} differ from rank 0 ({len(differing)} of "
+                     f"{comm.Get_size()} ranks disagree); {detail}")
+
+
+def check_collective(comm: MPI.Intracomm, collective: str, **arguments: Any) -> None:
+    """In debug mode only: check that every rank enters the same collective with the same
+    arguments (sizes, dtype, root...)."""
+    if debug_enabled():
+        check_consistent(comm, f"collective {collective}", sorted(arguments.items()))

@@ -1,0 +1,30 @@
+"""An MPI job that goes wrong on purpose, for the reliability tests.
+
+    fault_job.py stall    the last rank sleeps while the others enter an allreduce
+    fault_job.py raise    the last rank raises while the others enter an allreduce
+"""
+import sys
+import time
+
+import torch
+from mpi4py import MPI
+
+from tensorplay_hpc import comm
+from tensorplay_hpc.comm.abort import abort_on_exception
+
+
+def main(mode):
+    abort_on_exception()
+    group = comm.ProcessGroup()
+    comm.all_reduce(torch.ones(4), group.comm)          # everyone arrives once
+    if group.rank == group.size - 1:
+        if mode == "stall":
+            time.sleep(120)
+        else:
+            raise RuntimeError("deliberate failure on the last rank")
+    comm.all_reduce(torch.ones(4), group.comm)
+    print("not reached", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
