@@ -37,12 +37,13 @@ def _backward(model, step):
     out.float().sin().sum().backward()  # bounded, so maximizing stays finite
 
 
-def _train(pairs, steps, first_step=0, freeze_at=None):
-    """Step each (model, optimizer) pair alike; freeze the first layer's weight at ``freeze_at``."""
+def _train(pairs, steps, first_step=0, freeze_at=None, unfreeze_at=None):
+    """Step each (model, optimizer) pair alike; the first layer's weight is frozen from step
+    ``freeze_at`` to step ``unfreeze_at``."""
     for step in range(first_step, first_step + steps):
         for model, optimizer in pairs:
-            if step == freeze_at:
-                model[0].weight.requires_grad_(False)
+            if step in (freeze_at, unfreeze_at):
+                model[0].weight.requires_grad_(step == unfreeze_at)
             optimizer.zero_grad()
             _backward(model, step)
             optimizer.step()
@@ -190,16 +191,31 @@ def _local_numel(zero):
     return sum(p.numel() for g in zero.optim.param_groups for p in g["params"])
 
 
-def test_sharding_is_balanced(world):
+@pytest.mark.parametrize("bucket_view", [False, True])
+def test_sharding_is_balanced(world, bucket_view):
     size = world.Get_size()
-    zero = ZeroRedundancyOptimizer(_sized_params([9, 7, 5, 3] * size), torch.optim.SGD, lr=0.1)
+    params, reference = _sized_params([9, 7, 5, 3] * size), _sized_params([9, 7, 5, 3] * size)
+    zero = ZeroRedundancyOptimizer(params, torch.optim.SGD,
+                                   parameters_as_bucket_view=bucket_view, lr=0.1)
     assert zero.partition.loads == [24] * size
     assert _local_numel(zero) == 24
-    zero.add_param_group({"params": _sized_params([9, 7, 5, 3] * size), "lr": 0.2})
+    added, added_reference = _sized_params([9, 7, 5, 3] * size), _sized_params([9, 7, 5, 3] * size)
+    zero.add_param_group({"params": added, "lr": 0.2})
     assert zero.partition.loads == [48] * size
     assert _local_numel(zero) == 48
     assert [g["lr"] for g in zero.optim.param_groups] == [0.1, 0.2]
     assert len(zero.partition.rank_of) == 8 * size
+    # the new parameters are stepped by their owners and reach every rank
+    plain = torch.optim.SGD([{"params": reference}, {"params": added_reference, "lr": 0.2}],
+                            lr=0.1)
+    for step in range(2):
+        for tensors, optimizer in ((params + added, zero), (reference + added_reference, plain)):
+            generator = torch.Generator().manual_seed(step)
+            for p in tensors:
+                p.grad = torch.randn(p.shape, generator=generator)
+            optimizer.step()
+    for p, q in zip(params + added, reference + added_reference):
+        assert torch.equal(p, q)
 
 
 def test_multiple_groups(world):
@@ -233,7 +249,9 @@ def test_parity_with_local_optimizer(optimizer_class, kwargs, maximize, bucket_v
                                    parameters_as_bucket_view=bucket_view, maximize=maximize,
                                    **kwargs)
     plain = optimizer_class(reference.parameters(), maximize=maximize, **kwargs)
-    _train([(model, zero), (reference, plain)], 20, freeze_at=10)
+    _train([(model, zero), (reference, plain)], 14, freeze_at=7, unfreeze_at=11)
+    _assert_same_params(model, reference)
+    _train([(model, zero), (reference, plain)], 6, first_step=14, freeze_at=16)
     _assert_same_params(model, reference)
     assert not model[0].weight.requires_grad
     # keys the local optimizer adds show on the wrapper
