@@ -37,6 +37,7 @@ class ModelAverager(ABC):
         self._group: Optional[comm.ProcessGroup] = (
             comm.ProcessGroup(self.process_group) if comm.is_member(self.process_group) else None)
         self.step = 0
+        self._buffers: dict = {}   # flat buffers reused from one averaging to the next
 
     @property
     def _communicator(self) -> MPI.Comm:
@@ -88,5 +89,5 @@ class PeriodicModelAverager(ModelAverager):
         """Average the parameters (or optimizer param groups) that have gradients, if this step
         is an averaging step; advance the step counter either way. Collective."""
         if self.step >= self.warmup_steps and (self.step - self.warmup_steps) % self.period == 0:
-            average_on_communicator(params, self._communicator)
+            average_on_communicator(params, self._communicator, self._buffers)
         self.step += 1

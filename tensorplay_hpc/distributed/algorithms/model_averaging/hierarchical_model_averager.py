@@ -103,7 +103,7 @@ class HierarchicalModelAverager(ModelAverager):
         if self.step >= self.warmup_steps:
             group = self._find_process_group()
             if group is not None:
-                average_on_communicator(params, group)
+                average_on_communicator(params, group, self._buffers)
         self.step += 1
 
     def close(self) -> None:

@@ -33,16 +33,29 @@ def get_params_to_average(params: Params) -> List[torch.Tensor]:
     return selected
 
 
-def average_on_communicator(params: Params, communicator: MPI.Comm) -> None:
+def average_on_communicator(params: Params, communicator: MPI.Comm,
+                            buffers: Optional[Dict[tuple, comm.FlatBuffer]] = None) -> None:
     """Average the parameters that have a gradient over ``communicator`` exactly as given (the
     caller owns it, e.g. an averager's private duplicate). Collective over ``communicator``;
-    a no-op on a rank holding ``MPI.COMM_NULL``."""
+    a no-op on a rank holding ``MPI.COMM_NULL``.
+
+    ``buffers``, when given, keeps the flat buffers between calls (keyed by dtype, device and
+    shapes), which saves allocating and faulting in a model-sized buffer at every averaging.
+    """
     if communicator == MPI.COMM_NULL:
         return
     tensors = [p.detach() for p in get_params_to_average(params)]
-    for indices, flat in comm.pack_by_dtype_device(tensors, reduce_dtype).values():
+    for (dtype, device), indices in comm.group_by_dtype_device(tensors).items():
+        group = [tensors[i] for i in indices]
+        key = (dtype, device, tuple(t.shape for t in group))
+        flat = buffers.get(key) if buffers is not None else None
+        if flat is None:
+            flat = comm.FlatBuffer(key[2], reduce_dtype(dtype), device)
+            if buffers is not None:
+                buffers[key] = flat
+        flat.copy_from(group)
         all_reduce_in_pieces(flat.buffer, communicator, comm.ReduceOp.AVG)
-        flat.copy_to([tensors[i] for i in indices])
+        flat.copy_to(group)
 
 
 def average_parameters(params: Params, process_group: Optional[MPI.Comm] = None) -> None:
