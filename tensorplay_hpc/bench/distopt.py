@@ -2,9 +2,12 @@
 
 ``mpiexec -n 2 python -m tensorplay_hpc.bench distopt``: rank 1 owns eight 1024x1024 float32
 parameters and takes no part; rank 0 fetches them, runs a chain of matmuls on a batch forward and
-backward, and steps SGD through the distributed optimizer. Then the reference operations
-(``to_here``'s Get, the parameter Put of a step, the gradient Accumulate of ``backward``) against
-the same operation on a raw mpi4py window of the same bytes.
+backward, and steps SGD through the distributed optimizer; then the same with PyTorch's over RPC.
+Each is timed in turn with the same computation on local parameters (``compute_only_ms``, the
+floor for both; ``compute_only_with_rpc_ms`` while RPC runs), which shows the machine's load;
+``*_overhead_ms`` is what distribution adds to the computation. Then the reference operations (``to_here``'s
+Get, the Put of a fetching step, the gradient Accumulate of ``backward``) against the same
+operation on a raw mpi4py window of the same bytes.
 """
 from __future__ import annotations
 
@@ -21,8 +24,10 @@ from mpi4py import MPI
 from tensorplay_hpc.bench.report import Report
 from tensorplay_hpc.distributed import autograd, rma
 from tensorplay_hpc.distributed.optim import DistributedOptimizer
+from tensorplay_hpc.distributed.rma.window import within_one_node
 
-PARAMETERS, WIDTH, BATCH, LR = 8, 1024, 16, 1e-3
+PARAMETERS, WIDTH, LR = 8, 1024, 1e-3
+BATCHES = (1, 16)
 TRAINER, OWNER = 0, 1
 WORLD = MPI.COMM_WORLD
 
@@ -101,13 +106,9 @@ def start_rpc() -> None:
                  rpc_backend_options=rpc.TensorPipeRpcBackendOptions())
 
 
-def rpc_iteration(batch: torch.Tensor) -> Callable[[], None]:
-    """PyTorch's DistributedOptimizer on the same model, the parameters made on the owner."""
+def rpc_iteration(rrefs: list, optimizer: object, batch: torch.Tensor) -> Callable[[], None]:
+    """PyTorch's DistributedOptimizer on the same model."""
     import torch.distributed.autograd as dist_autograd
-    import torch.distributed.rpc as rpc
-    from torch.distributed.optim import DistributedOptimizer as TorchDistributedOptimizer
-    rrefs = [rpc.remote(f"worker{OWNER}", remote_parameter, args=(i,)) for i in range(PARAMETERS)]
-    optimizer = TorchDistributedOptimizer(torch.optim.SGD, rrefs, lr=LR)
 
     def iteration() -> None:
         with dist_autograd.context() as context_id:
@@ -117,30 +118,57 @@ def rpc_iteration(batch: torch.Tensor) -> Callable[[], None]:
     return iteration
 
 
-def iterations(report: Report, batch: torch.Tensor) -> None:
-    """One training iteration, ours and PyTorch's over RPC, timed in alternation."""
+def local_iteration(batch: torch.Tensor) -> Callable[[], None]:
+    """The same iteration with local parameters: the computation alone, a floor for both."""
+    weights = [initial_parameter(i).requires_grad_() for i in range(PARAMETERS)]
+    optimizer = torch.optim.SGD(weights, lr=LR)
+
+    def iteration() -> None:
+        optimizer.zero_grad()
+        forward(weights, batch).backward()
+        optimizer.step()
+    return iteration
+
+
+def iterations(report: Report) -> None:
+    """Training iterations: ours, then PyTorch's over RPC, each timed in turn with the local
+    computation. Ours runs before RPC starts, since TensorPipe's threads keep polling for
+    messages and slow every other process on a machine with few cores."""
     import torch.distributed.rpc as rpc
+    from torch.distributed.optim import DistributedOptimizer as TorchDistributedOptimizer
     owned = [initial_parameter(i) for i in range(PARAMETERS)] if WORLD.Get_rank() == OWNER else []
-    case = f"SGD iteration, {PARAMETERS}x{WIDTH}x{WIDTH} on rank {OWNER}, batch {BATCH}"
+    batches = [torch.randn(b, WIDTH, generator=torch.Generator().manual_seed(b)) for b in BATCHES]
     with rma.share(owned) as shared:
         refs = shared.refs_of(OWNER)
         with DistributedOptimizer(torch.optim.SGD, refs, lr=LR) as optimizer:
-            ours = our_iteration(refs, optimizer, batch)
-            try:
-                start_rpc()
-            except Exception as error:  # reported; the rest still runs
-                ours_s = on_trainer(lambda: alternating_medians([ours], report.repeat)[0])
-                if WORLD.Get_rank() == 0:
-                    print(f"torch.distributed.rpc could not run here: {type(error).__name__}: "
-                          f"{error}; ours: {ours_s * 1e3:.1f} ms an iteration", flush=True)
-                return
-            try:
-                ours_s, rpc_s = on_trainer(
-                    lambda: alternating_medians([ours, rpc_iteration(batch)], report.repeat))
-            finally:
-                rpc.shutdown()
-    report.add("distopt", case, ours_s, "torch-rpc", rpc_s,
-               nbytes=PARAMETERS * WIDTH * WIDTH * 4)
+            ours = on_trainer(lambda: [alternating_medians(
+                [our_iteration(refs, optimizer, batch), local_iteration(batch)], report.repeat)
+                for batch in batches])
+    try:
+        start_rpc()
+    except Exception as error:  # reported; the rest still runs
+        if WORLD.Get_rank() == 0:
+            print(f"torch.distributed.rpc could not run here: {type(error).__name__}: {error}; "
+                  f"ours: {[round(o[0] * 1e3, 1) for o in ours]} ms an iteration", flush=True)
+        return
+    try:
+        def measure() -> List[List[float]]:
+            rrefs = [rpc.remote(f"worker{OWNER}", remote_parameter, args=(i,))
+                     for i in range(PARAMETERS)]
+            theirs = TorchDistributedOptimizer(torch.optim.SGD, rrefs, lr=LR)
+            return [alternating_medians([rpc_iteration(rrefs, theirs, batch),
+                                         local_iteration(batch)], report.repeat)
+                    for batch in batches]
+        theirs = on_trainer(measure)
+    finally:
+        rpc.shutdown()
+    for size, (ours_s, local_s), (rpc_s, local_with_rpc_s) in zip(BATCHES, ours, theirs):
+        report.add("distopt", f"SGD iteration, {PARAMETERS}x{WIDTH}x{WIDTH} on rank {OWNER}, "
+                   f"batch {size}", ours_s, "torch-rpc", rpc_s,
+                   nbytes=PARAMETERS * WIDTH * WIDTH * 4, compute_only_ms=local_s * 1e3,
+                   compute_only_with_rpc_ms=local_with_rpc_s * 1e3,
+                   ours_overhead_ms=(ours_s - local_s) * 1e3,
+                   rpc_overhead_ms=(rpc_s - local_with_rpc_s) * 1e3)
 
 
 def bandwidths(report: Report) -> None:
@@ -150,7 +178,8 @@ def bandwidths(report: Report) -> None:
     for elements in (16 * 1024, WIDTH * WIDTH):
         nbytes = elements * 4
         mine = [torch.ones(elements)] if rank == OWNER else []
-        raw_window = MPI.Win.Allocate(nbytes if rank == OWNER else 0, disp_unit=4, comm=WORLD)
+        allocate = MPI.Win.Allocate_shared if within_one_node(WORLD) else MPI.Win.Allocate
+        raw_window = allocate(nbytes if rank == OWNER else 0, disp_unit=4, comm=WORLD)
         array = np.ones(elements, dtype=np.float32)
         with rma.share(mine) as shared:
             [ref] = shared.refs
@@ -174,7 +203,7 @@ def bandwidths(report: Report) -> None:
                 return call
 
             cases = [("get (RemoteRef.to_here)", ref.to_here, "get", MPI.LOCK_SHARED),
-                     ("put (parameter write of a step)", put, "put", MPI.LOCK_EXCLUSIVE),
+                     ("put (Window.put: a fetching step's write)", put, "put", MPI.LOCK_EXCLUSIVE),
                      ("accumulate (gradient of backward)", accumulate, "accumulate",
                       MPI.LOCK_SHARED)]
             for case, ours_call, operation, lock in cases:
@@ -189,5 +218,5 @@ def run(report: Report) -> None:
     """Collective on exactly two ranks."""
     if WORLD.Get_size() != 2:
         raise SystemExit("the distopt benchmark runs on 2 ranks: mpiexec -n 2 ...")
-    iterations(report, torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(7)))
+    iterations(report)
     bandwidths(report)

@@ -21,7 +21,7 @@ from tensorplay_hpc import comm
 from tensorplay_hpc.comm.dtypes import move_datatype, reduce_dtype
 
 
-def _within_one_node(communicator: MPI.Intracomm) -> bool:
+def within_one_node(communicator: MPI.Intracomm) -> bool:
     """Whether all ranks of ``communicator`` share memory. Collective."""
     node = communicator.Split_type(MPI.COMM_TYPE_SHARED)
     try:
@@ -38,7 +38,7 @@ class Window:
     """
 
     def __init__(self, communicator: MPI.Intracomm, nbytes: int) -> None:
-        if _within_one_node(communicator):
+        if within_one_node(communicator):
             info = MPI.Info.Create()
             info.Set("alloc_shared_noncontig", "true")  # each rank's part on its own pages
             self.win = MPI.Win.Allocate_shared(nbytes, disp_unit=1, info=info, comm=communicator)
