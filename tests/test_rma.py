@@ -141,7 +141,8 @@ def test_unknown_context_and_nesting_are_errors(world):
     with pytest.raises(ValueError, match="987654"):
         autograd.get_gradients(987654)
     with autograd.context() as context_id:
-        with pytest.raises(RuntimeError, match=f"{context_id} is already open on world rank {rank}"):
+        with pytest.raises(RuntimeError, match=f"{context_id} is already open on world rank "
+                                               f"{rank}"):
             with autograd.context():
                 pass
     with pytest.raises(ValueError, match=str(context_id)):

@@ -5,9 +5,9 @@ parameters and takes no part; rank 0 fetches them, runs a chain of matmuls on a 
 backward, and steps SGD through the distributed optimizer; then the same with PyTorch's over RPC.
 Each is timed in turn with the same computation on local parameters (``compute_only_ms``, the
 floor for both; ``compute_only_with_rpc_ms`` while RPC runs), which shows the machine's load;
-``*_overhead_ms`` is what distribution adds to the computation. Then the reference operations (``to_here``'s
-Get, the Put of a fetching step, the gradient Accumulate of ``backward``) against the same
-operation on a raw mpi4py window of the same bytes.
+``*_overhead_ms`` is what distribution adds to the computation. Then the reference operations
+(``to_here``'s Get, the Put of a fetching step, the gradient Accumulate of ``backward``) against
+the same operation on a raw mpi4py window of the same bytes.
 """
 from __future__ import annotations
 

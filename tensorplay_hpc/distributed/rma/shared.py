@@ -9,10 +9,10 @@ from mpi4py import MPI
 from tensorplay_hpc import comm
 from tensorplay_hpc.comm.dtypes import move_datatype, reduce_dtype
 
+from .buffer_pool import empty
 from .layout import Layout
 from .progress import ProgressThread
 from .reference import RemoteRef, by_owner
-from .buffer_pool import empty
 from .window import Window
 
 

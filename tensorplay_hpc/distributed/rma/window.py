@@ -5,9 +5,11 @@ from which typed views are cut. When the group lies within one node the window i
 ``Win.Allocate_shared``: Open MPI then uses its shared-memory component (``osc/sm``), where other
 ranks' operations are plain memory copies that need nothing from the target. (Open MPI 4.1 gives
 ``Win.Allocate`` to ``osc/rdma``, whose shared-memory file is named after the communicator's id,
-which the disjoint halves of a ``Split`` share: their windows would overlap.) Remote operations take contiguous CPU tensors and a byte offset in the target's
-part; their memory reaches MPI only through :func:`tensorplay_hpc.comm.memory`, and messages longer
-than the chunk limit are split. Operations complete at the end of the lock epoch that holds them.
+which the disjoint halves of a ``Split`` share: their windows would overlap.)
+
+Remote operations take contiguous CPU tensors and a byte offset in the target's part; their
+memory reaches MPI only through :func:`tensorplay_hpc.comm.memory`, and messages longer than the
+chunk limit are split. Operations complete at the end of the lock epoch that holds them.
 """
 from __future__ import annotations
 
@@ -95,7 +97,8 @@ class Window:
         """Start writing ``tensor`` into ``rank``'s bytes from ``offset``."""
         self._transfer(self.win.Put, tensor, rank, offset)
 
-    def accumulate(self, tensor: torch.Tensor, rank: int, offset: int, op: MPI.Op = MPI.SUM) -> None:
+    def accumulate(self, tensor: torch.Tensor, rank: int, offset: int,
+                   op: MPI.Op = MPI.SUM) -> None:
         """Start combining ``tensor`` into ``rank``'s values at ``offset`` with ``op``, element by
         element atomically with respect to other accumulates. 16-bit floats, which MPI cannot add,
         must be converted to their :func:`~tensorplay_hpc.comm.dtypes.reduce_dtype` first."""
