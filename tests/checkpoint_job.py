@@ -4,6 +4,8 @@
     checkpoint_job.py resume FILE STEPS OUT      load, train STEPS more, rank 0 saves params
     checkpoint_job.py kill-during-save FILE      save FILE, then die on the last rank while
                                                  saving FILE again
+    checkpoint_job.py grow FILE MB               save FILE, then try to save it again with MB
+                                                 more megabytes (run it under a file-size limit)
 """
 import os
 import signal
@@ -53,6 +55,15 @@ def main(mode, path, *rest):
                 os.kill(os.getpid(), signal.SIGKILL)
             writer._write_own = die
         checkpoint.save(path, model, optimizer, extra={"step": 3})
+    elif mode == "grow":
+        checkpoint.save(path, model, optimizer, extra={"step": 1})
+        padding = torch.ones(int(rest[0]) * 2**18)      # MB megabytes of float32
+        try:
+            checkpoint.save(path, model, optimizer, extra={"step": 2, "padding": padding})
+        except checkpoint.CheckpointError as error:
+            print(f"save failed: {error}", flush=True)
+        step = checkpoint.load(path, model, optimizer)["step"]
+        print(f"rank {MPI.COMM_WORLD.Get_rank()} loaded step {step}", flush=True)
 
 
 if __name__ == "__main__":

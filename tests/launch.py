@@ -20,12 +20,13 @@ def clean_environment(env: Optional[dict] = None) -> dict:
             if not k.startswith(("OMPI_", "PMIX_", "OPAL_", "ORTE_", "HYDRA_", "PMI_"))}
 
 
-def mpiexec(ranks: int, args: List[str], timeout: float = 300,
-            env: Optional[dict] = None) -> subprocess.CompletedProcess:
-    """Run ``python ARGS`` on ``ranks`` ranks; the output is captured, the run bounded."""
+def mpiexec(ranks: int, args: List[str], timeout: float = 300, env: Optional[dict] = None,
+            **options) -> subprocess.CompletedProcess:
+    """Run ``python ARGS`` on ``ranks`` ranks; the output is captured, the run bounded.
+    ``options`` go to ``subprocess.run``."""
     command = ["mpiexec", "--oversubscribe", "--mca", "mpi_yield_when_idle", "1",
                "-n", str(ranks), sys.executable, *args]
     env = clean_environment(env)
     env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
     return subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, **options)

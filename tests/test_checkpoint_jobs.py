@@ -1,6 +1,7 @@
 """Checkpoints across separate jobs: resharding to other world sizes, and a rank killed in the
 middle of a save."""
 import os
+import resource
 
 import pytest
 import torch
@@ -54,3 +55,19 @@ def test_rank_killed_during_save_leaves_last_checkpoint(tmp_path):
     assert checkpoint.load(path, model)["step"] == 2     # the first save, intact
     leftovers = [n for n in os.listdir(tmp_path) if ".tmp-" in n]
     assert len(leftovers) <= 1                            # the aborted save's temporary file
+
+
+@pytest.mark.timeout(300)
+def test_full_disk_during_save_is_an_error_and_keeps_last_checkpoint(tmp_path):
+    """A file-size limit stands in for a full disk: writes past it fail with EFBIG."""
+    path = str(tmp_path / "ck.h5")
+    limit = 8 * 2**20
+
+    def limit_file_size():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    run = mpiexec(2, [JOB, "grow", path, "32"], timeout=120, preexec_fn=limit_file_size)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "save failed: saving checkpoint" in run.stdout
+    assert "File too large" in run.stdout or "too large" in run.stdout.lower(), run.stdout
+    assert "rank 0 loaded step 1" in run.stdout and "rank 1 loaded step 1" in run.stdout
+    assert [n for n in os.listdir(tmp_path) if ".tmp-" in n] == []

@@ -1,7 +1,9 @@
 """Checkpoint files on disk: temporary names, the atomic rename, pruning and finding the newest."""
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import uuid
 from typing import List, Optional
 
@@ -15,6 +17,31 @@ TEMP_MARK = ".tmp-"
 def temporary_name(path: str) -> str:
     """A fresh name in the same folder, so the final rename stays on one file system."""
     return f"{path}{TEMP_MARK}{uuid.uuid4().hex[:12]}"
+
+
+def check_space(path: str, nbytes: int) -> None:
+    """Fail now, with the system's error, if a file of ``nbytes`` cannot be written next to
+    ``path`` (full disk, quota, file-size limit): the space is reserved, then given back.
+
+    HDF5's MPI-IO driver does not report a write that fails for lack of space reliably (it can
+    spin in the collective close), so a save checks before it writes.
+    """
+    probe = f"{path}{TEMP_MARK}space"
+    fd = os.open(probe, os.O_CREAT | os.O_WRONLY, 0o600)
+    try:
+        try:
+            os.posix_fallocate(fd, 0, max(nbytes, 1))
+        except OSError as error:
+            if error.errno in (errno.EOPNOTSUPP, errno.EINVAL):   # no fallocate: compare free space
+                free = shutil.disk_usage(os.path.dirname(path) or ".").free
+                if free < nbytes:
+                    raise OSError(errno.ENOSPC, f"{nbytes} bytes needed, {free} free") from None
+            else:
+                raise OSError(error.errno, f"cannot reserve {nbytes} bytes for the checkpoint: "
+                                           f"{os.strerror(error.errno)}") from None
+    finally:
+        os.close(fd)
+        os.remove(probe)
 
 
 def _fsync(path: str, directory: bool = False) -> None:

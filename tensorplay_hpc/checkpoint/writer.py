@@ -19,6 +19,7 @@ import numpy as np
 from mpi4py import MPI
 
 from tensorplay_hpc.comm import agree
+from tensorplay_hpc.comm.watchdog import watched
 
 from . import files
 from . import format as fmt
@@ -26,6 +27,13 @@ from .snapshot import Snapshot
 
 # (name, shape, torch dtype name, crc32)
 Layout = List[Tuple[str, Tuple[int, ...], str, int]]
+
+
+def _file_size(layout: Layout) -> int:
+    """An upper estimate of the file's size: the data plus room for HDF5's metadata."""
+    data = sum(int(np.prod(shape, dtype=np.int64)) * fmt.numpy_dtype(fmt.torch_dtype(dtype)).itemsize
+               for _, shape, dtype, _ in layout)
+    return data + (1 << 20) + 8192 * len(layout)
 
 
 def parallel_available() -> bool:
@@ -51,21 +59,22 @@ def _write_own(f: h5py.File, arrays: List[Tuple[str, np.ndarray]]) -> None:
 
 def _write_parallel(temporary: str, layout: Layout, attributes: Dict[str, dict],
                     arrays: List[Tuple[str, np.ndarray]], comm: MPI.Intracomm) -> Optional[Exception]:
-    try:
-        f = h5py.File(temporary, "w", driver="mpio", comm=comm)
-    except Exception as error:  # the open is collective: it fails everywhere or nowhere
-        return error
-    error = None
-    try:
-        _create(f, layout, attributes)
-        _write_own(f, arrays)
-    except Exception as failure:
-        error = failure
-    finally:
+    with watched("checkpoint file write (HDF5 mpio)", comm):
         try:
-            f.close()
+            f = h5py.File(temporary, "w", driver="mpio", comm=comm)
+        except Exception as error:  # the open is collective: it fails everywhere or nowhere
+            return error
+        error = None
+        try:
+            _create(f, layout, attributes)
+            _write_own(f, arrays)
         except Exception as failure:
-            error = error or failure
+            error = failure
+        finally:
+            try:
+                f.close()
+            except Exception as failure:
+                error = error or failure
     return error
 
 
@@ -120,6 +129,13 @@ def write(path: str, snapshot: Snapshot, comm: MPI.Intracomm, keep: Optional[int
         raise fmt.CheckpointError(f"{what}: dataset {duplicate!r} is written by two ranks")
 
     temporary = comm.bcast(files.temporary_name(path) if rank == 0 else None, root=0)
+    error = None
+    if rank == 0:
+        try:
+            files.check_space(path, _file_size(layout))
+        except OSError as failure:
+            error = failure
+    agree(comm, error, what, fmt.CheckpointError)
     if parallel_available():
         error = _write_parallel(temporary, layout, attributes, arrays, comm)
     else:
