@@ -175,7 +175,8 @@ def test_comm_hook_sees_buckets_and_may_return_a_future(world):
     private = comm.ProcessGroup()
 
     def hook(state, bucket):
-        seen.append((bucket.index(), bucket.is_last(), [tuple(p.shape) for p in bucket.parameters()],
+        seen.append((bucket.index(), bucket.is_last(),
+                     [tuple(p.shape) for p in bucket.parameters()],
                      [tuple(g.shape) for g in bucket.gradients()]))
         result = bucket.buffer().clone()
         comm.all_reduce(result, private.comm, comm.ReduceOp.AVG)

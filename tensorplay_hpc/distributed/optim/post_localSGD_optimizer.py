@@ -24,12 +24,13 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
     Args:
         optim: the local optimizer.
         averager: a model averager, e.g.
-            :class:`~tensorplay_hpc.distributed.algorithms.model_averaging.averagers.PeriodicModelAverager`.
+            ``averagers.PeriodicModelAverager`` or ``HierarchicalModelAverager``.
 
     Example::
 
         local = torch.optim.SGD(model.parameters(), lr=0.01)
-        opt = PostLocalSGDOptimizer(local, averagers.PeriodicModelAverager(period=4, warmup_steps=100))
+        averager = averagers.PeriodicModelAverager(period=4, warmup_steps=100)
+        opt = PostLocalSGDOptimizer(local, averager)
         for batch in data:
             opt.zero_grad()
             loss_fn(model(batch)).backward()
@@ -73,7 +74,8 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
             warnings.warn(NO_STEP_WARNING, stacklevel=2)
             self.averager.step = 0
 
-    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
+    def step(  # type: ignore[override]
+            self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         """A local optimizer step, then the averager's averaging step. Collective."""
         loss = self.optim.step(closure) if closure is not None else self.optim.step()
         self.averager.average_parameters(self.param_groups)

@@ -7,7 +7,7 @@ order, so every rank issues the same collectives in the same order whatever orde
 arrive in. A callback queued on the autograd engine waits for all buckets when the backward pass
 ends and writes the averaged gradients back.
 
-The built-in reduction runs on a communication thread (:class:`CommThread`) as blocking
+The built-in reduction runs on a communication thread (:mod:`.comm_thread`) as blocking
 allreduces in cache-sized pieces (:mod:`tensorplay_hpc.comm.pieces`). Open MPI's nonblocking
 allreduce advances only inside MPI calls and, in place or below 4 ranks, uses a binomial tree;
 measured on 2 ranks it was 3-4x slower than the blocking one in pieces. Communication hooks
@@ -16,8 +16,6 @@ the oldest outstanding one, which drives MPI progress during the backward pass.
 """
 from __future__ import annotations
 
-import queue
-import threading
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
@@ -28,6 +26,8 @@ from torch.utils._pytree import tree_leaves
 from tensorplay_hpc import comm
 from tensorplay_hpc.comm.pieces import all_reduce_in_pieces
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.default_hooks import BucketWork
+
+from .comm_thread import CommThread
 
 FIRST_BUCKET_BYTES = 1 << 20   # a small first bucket starts communication early, as in PyTorch
 
@@ -140,60 +140,6 @@ def _remove(handles: Iterable[Any], worker: Optional["CommThread"]) -> None:
         handle.remove()
     if worker is not None:
         worker.stop()
-
-
-class ThreadWork:
-    """A reduction running on a :class:`CommThread`: ``wait()`` returns the reduced tensor."""
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-        self.done = threading.Event()
-        self.error: Optional[BaseException] = None
-
-    def is_completed(self) -> bool:
-        return self.done.is_set()
-
-    def wait(self) -> torch.Tensor:
-        self.done.wait()
-        if self.error is not None:
-            raise self.error
-        return self.tensor
-
-
-class CommThread:
-    """A thread that runs blocking reductions in submission order, so that they overlap the
-    backward pass while using Open MPI's fast blocking allreduce. Started on first use."""
-
-    def __init__(self) -> None:
-        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
-        self._thread: Optional[threading.Thread] = None
-
-    def submit(self, tensor: torch.Tensor, reduce: Callable[[torch.Tensor], None]) -> ThreadWork:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="ddp-allreduce", daemon=True)
-            self._thread.start()
-        work = ThreadWork(tensor)
-        self._queue.put((reduce, work))
-        return work
-
-    def _run(self) -> None:
-        while True:
-            reduce, work = self._queue.get()
-            if work is None:
-                return
-            try:
-                reduce(work.tensor)
-            except BaseException as error:   # handed to the waiting thread
-                work.error = error
-            finally:
-                work.done.set()
-
-    def stop(self) -> None:
-        """Finish the queued reductions and end the thread."""
-        if self._thread is not None:
-            self._queue.put((None, None))
-            self._thread.join()
-            self._thread = None
 
 
 class Reducer:

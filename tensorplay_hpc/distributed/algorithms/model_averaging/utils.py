@@ -74,6 +74,7 @@ def average_parameters(params: Params, process_group: Optional[MPI.Comm] = None)
     average_on_communicator(params, private_comm(process_group))
 
 
-def average_parameters_or_parameter_groups(params: Params, process_group: Optional[MPI.Comm]) -> None:
+def average_parameters_or_parameter_groups(params: Params,
+                                           process_group: Optional[MPI.Comm]) -> None:
     """PyTorch's name for :func:`average_parameters`."""
     average_parameters(params, process_group)
