@@ -31,7 +31,9 @@ Internal API, for checkpointing (stable within this package):
   (with ``overlap_with_ddp=True`` it follows DDP's buckets and exists once the hook is made);
 - ``zero.params_by_index``: the parameters, by global index;
 - ``zero.local_state_by_index()``: this rank's local optimizer state as
-  ``{global index: {key: value}}`` (live objects, not copies).
+  ``{global index: {key: value}}`` (live objects, not copies);
+- ``zero.load_state_dict`` reads only the ``state`` entries of the parameters this rank owns,
+  so a dict holding just those (and all ``param_groups``) is enough to restore a shard.
 """
 from __future__ import annotations
 
