@@ -67,6 +67,29 @@ def test_matches_the_same_optimizer_applied_locally(world, step_path, optimizer_
             world.Barrier()  # nobody frees the windows while another rank still steps
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+def test_other_dtypes_match_the_local_optimizer(world, step_path, dtype):
+    rank, size = world.Get_rank(), world.Get_size()
+    target = (rank + 1) % size
+    kwargs = dict(lr=0.125, momentum=0.5)
+    with rma.share([p.to(dtype) for p in initial_parameters(rank)]) as shared:
+        refs = shared.refs_of(target)
+        local = [p.to(dtype).requires_grad_() for p in initial_parameters(target)]
+        local_optimizer = torch.optim.SGD(local, **kwargs)
+        with DistributedOptimizer(torch.optim.SGD, refs, **kwargs) as optimizer:
+            for step in range(STEPS):
+                with autograd.context() as context_id:
+                    autograd.backward(context_id, [loss_of([r.to_here() for r in refs], step)])
+                    optimizer.step(context_id)
+                local_optimizer.zero_grad()
+                loss_of(local, step).backward()
+                local_optimizer.step()
+            for ref, expected in zip(refs, local):
+                assert ref.to_here().dtype == dtype
+                assert torch.equal(ref.to_here(), expected.detach())
+            world.Barrier()
+
+
 def test_parameter_without_gradient_stays_unchanged(world, step_path):
     rank, size = world.Get_rank(), world.Get_size()
     with rma.share(initial_parameters(rank)) as shared:
