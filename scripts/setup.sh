@@ -25,6 +25,18 @@ if ! command -v mpicc >/dev/null 2>&1; then
     apt-get install -y -qq openmpi-bin libopenmpi-dev libhdf5-openmpi-dev hdf5-tools >/dev/null
 fi
 
+# The tests check the shell scripts with shellcheck: install it with apt when possible.
+if ! command -v shellcheck >/dev/null 2>&1; then
+    if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
+        log "installing shellcheck with apt"
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get update -qq
+        apt-get install -y -qq shellcheck >/dev/null
+    else
+        log "WARNING: no shellcheck on PATH: the shell script checks will be skipped"
+    fi
+fi
+
 if [ -z "${HDF5_DIR:-}" ]; then
     for candidate in /usr/lib/x86_64-linux-gnu/hdf5/openmpi /usr/lib/aarch64-linux-gnu/hdf5/openmpi; do
         if [ -d "$candidate" ]; then HDF5_DIR=$candidate; break; fi
@@ -37,10 +49,11 @@ if [ ! -x "$py" ]; then
     python3 -m venv "$venv"
 fi
 
-if ! "$py" -c "import torch, mpi4py, numpy, pytest, pytest_mpi, pytest_timeout" >/dev/null 2>&1; then
-    log "installing torch, mpi4py, numpy and the test tools"
+if ! "$py" -c "import torch, mpi4py, numpy, pytest, pytest_mpi, pytest_timeout, tqdm, matplotlib, mkdocs" \
+        >/dev/null 2>&1; then
+    log "installing torch, mpi4py, numpy, the training job's tqdm and matplotlib, the test tools and mkdocs"
     "$py" -m pip install -q --upgrade pip
-    "$py" -m pip install -q "torch==2.13.0" "mpi4py>=4" numpy \
+    "$py" -m pip install -q "torch==2.13.0" "mpi4py>=4" numpy tqdm matplotlib mkdocs \
         pytest pytest-mpi pytest-timeout cython pkgconfig setuptools wheel
 fi
 

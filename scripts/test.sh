@@ -9,6 +9,14 @@ source "$here/env.sh"
 cd "$root"
 
 status=0
+echo "=== shellcheck and the documentation ==="
+if command -v shellcheck >/dev/null 2>&1; then
+    shellcheck jobs/*.sh jobs/*.sbatch scripts/*.sh || { echo "=== shellcheck FAILED ==="; status=1; }
+else
+    echo "no shellcheck on PATH: shell scripts not checked"
+fi
+mkdocs build --strict --quiet --site-dir "$root/site" || { echo "=== mkdocs FAILED ==="; status=1; }
+
 for ranks in 1 2 4; do
     echo "=== pytest under mpiexec -n $ranks ==="
     # A whole run is bounded too, in case a rank wedges outside a test's own timeout.

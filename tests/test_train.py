@@ -32,6 +32,13 @@ def shared_dir():
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def train_here(config: TrainConfig, **kwargs):
+    """Train on every rank; return once rank 0 has written the CSV too."""
+    outcome = train(config, **kwargs)
+    WORLD.Barrier()
+    return outcome
+
+
 def tiny(folder: Path, **settings) -> TrainConfig:
     values = dict(layers=1, width=32, heads=2, context=16, batch_size=8, eval_every=0,
                   eval_batches=1, progress=False, threads=1, warmup_steps=2, average_period=2,
@@ -95,21 +102,21 @@ def test_settings_are_checked():
 
 @pytest.mark.parametrize("optimizer", ["zero", "postlocal", "ddp", "local"])
 def test_signal_checkpoint_and_resume_reproduce_an_uninterrupted_run(shared_dir, optimizer):
-    whole = train(tiny(shared_dir / "whole", optimizer=optimizer, steps=6))
+    whole = train_here(tiny(shared_dir / "whole", optimizer=optimizer, steps=6))
     assert whole.exit_code == 0 and whole.steps == 6
     expected = losses(shared_dir / "whole")
     assert len(expected) == 6 and float(expected[-1]) < float(expected[0])
 
     parts = shared_dir / "parts"
-    first = train(tiny(parts, optimizer=optimizer, steps=3))
+    first = train_here(tiny(parts, optimizer=optimizer, steps=3))
     assert first.exit_code == 0 and first.checkpoint.endswith("step-0000003.h5")
     with Preemption() as preemption:
         if WORLD.rank == 0:  # one rank is signalled; all must stop at the same step
             signal.raise_signal(signal.SIGUSR1)
-        stopped = train(tiny(parts, optimizer=optimizer, steps=6, resume=True), preemption=preemption)
+        stopped = train_here(tiny(parts, optimizer=optimizer, steps=6, resume=True), preemption=preemption)
     assert stopped.exit_code == EXIT_PREEMPTED
     assert stopped.steps == 4 and stopped.checkpoint.endswith("step-0000004.h5")
-    rest = train(tiny(parts, optimizer=optimizer, steps=6, resume=True))
+    rest = train_here(tiny(parts, optimizer=optimizer, steps=6, resume=True))
     assert rest.exit_code == 0 and rest.steps == 6
     assert losses(parts) == expected
     assert restarts(parts) == [4, 5]

@@ -133,6 +133,7 @@ class Run:
         step = self.history.step
         path = self.config.checkpoint_dir / f"step-{step:07d}.h5"
         started = time.perf_counter()
+        self.strategy.before_checkpoint()
         extra = {"step": step, "config": {**self.config.describe(), "ranks": self.group.size},
                  "history": self.history.to_extra()}
         self.last_checkpoint = checkpoint.save(

@@ -20,6 +20,7 @@ from tensorplay_hpc import comm
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
     PostLocalSGDState, post_localSGD_hook)
 from tensorplay_hpc.distributed.algorithms.model_averaging import averagers
+from tensorplay_hpc.distributed.algorithms.model_averaging.utils import average_parameters
 from tensorplay_hpc.distributed.optim import PostLocalSGDOptimizer, ZeroRedundancyOptimizer
 from tensorplay_hpc.distributed.parallel import DistributedDataParallel
 
@@ -56,6 +57,15 @@ class Strategy:
         ``step``."""
         if self._hook_state is not None:
             self._hook_state.iter = min(step, self._hook_state.start_localSGD_iter)
+
+    def before_checkpoint(self) -> None:
+        """Make the ranks' parameters equal before a checkpoint stores one copy of them.
+        Collective. Only post-local SGD across nodes lets them differ: it averages them here.
+        (The subgroup is the node, so every rank sees the same answer: all on one node or not.)"""
+        state = self._hook_state
+        if state is not None and state.subgroup is not None and \
+                state.subgroup.Get_size() < state.process_group.Get_size():
+            average_parameters(self.optimizer.param_groups, state.process_group)
 
 
 def _gradients_already_averaged() -> None:
