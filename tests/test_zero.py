@@ -576,3 +576,20 @@ def test_overlap_with_ddp(world, optimizer_class, kwargs):
     for index, state in theirs["state"].items():
         for key, value in state.items():
             torch.testing.assert_close(ours["state"][index][key], value, rtol=1e-5, atol=1e-6)
+
+
+def test_a_shard_loads_from_its_own_entries(world):
+    """What a checkpoint reader relies on: only this rank's entries of ``state`` are read."""
+    rank = world.Get_rank()
+    model, reference = _model(), _model()
+    plain = torch.optim.Adam(reference.parameters(), lr=0.01)
+    _train([(reference, plain)], 3)
+    model.load_state_dict(reference.state_dict())
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.5)
+    full = plain.state_dict()
+    mine = [i for i, owner in enumerate(zero.partition.rank_of) if owner == rank]
+    zero.load_state_dict({"state": {i: full["state"][i] for i in mine},
+                          "param_groups": full["param_groups"]})
+    assert sorted(zero.local_state_by_index()) == mine
+    _train([(model, zero), (reference, plain)], 3, first_step=3)
+    _assert_same_params(model, reference)
