@@ -76,7 +76,7 @@ class DDPOverlap:
         buckets = [bucket.parameters() for bucket in ddp.buckets]
         loads = [0] * zero.world_size
         self.owners: List[int] = []
-        rank_of = [0] * len(zero.params_by_index)
+        rank_of = [0] * len(zero.params_by_index)   # parameters in no bucket never step
         for params in buckets:
             owner = min(range(zero.world_size), key=loads.__getitem__)
             self.owners.append(owner)
