@@ -31,6 +31,14 @@ def is_member(process_group: Optional[MPI.Comm]) -> bool:
     return resolve(process_group) != MPI.COMM_NULL
 
 
+_live: "weakref.WeakSet[ProcessGroup]" = weakref.WeakSet()
+
+
+def live_groups() -> list:
+    """The process groups whose private communicator has not been freed yet."""
+    return [group for group in _live if group.comm != MPI.COMM_NULL]
+
+
 def _free(comm: MPI.Comm) -> None:
     if not MPI.Is_finalized() and comm != MPI.COMM_NULL:
         watchdog.unregister(comm)
@@ -55,6 +63,7 @@ class ProcessGroup:
         self.rank: int = self.comm.Get_rank()
         self.size: int = self.comm.Get_size()
         watchdog.register(self.comm, self._describe())
+        _live.add(self)
         self._finalizer = weakref.finalize(self, _free, self.comm)
 
     def _describe(self) -> str:
