@@ -178,3 +178,24 @@ def test_hierarchical_matches_torch(world, gloo):
     levels = OrderedDict([(2, size // 2), (3, size)])
     _torch_and_ours(world, gloo, lambda: TorchHierarchical(levels, warmup_steps=3),
                     lambda: HierarchicalModelAverager(levels, warmup_steps=3))
+
+
+def test_averager_keeps_its_buffer_function_keeps_storage(world):
+    rank, size = world.Get_rank(), world.Get_size()
+    mean = (size - 1) / 2
+    a, b = _param(rank), _param(rank)
+    before = a.data_ptr()
+    utils.average_parameters([a, b], None)
+    assert a.data_ptr() == before   # the function copies the averages back
+    averager = averagers.PeriodicModelAverager(period=2)
+    for step in range(4):   # steps 0 and 2 average
+        a.data.fill_(rank)
+        b.data.fill_(rank + 1)
+        averager.average_parameters([a, b])
+        averaged = step % 2 == 0
+        torch.testing.assert_close(a.data, torch.full((3,), mean if averaged else float(rank)))
+        torch.testing.assert_close(b.data, torch.full((3,), mean + 1 if averaged else rank + 1.0))
+    # The averager re-pointed the parameters into its flat buffer (as PyTorch does): later
+    # averagings reduce that buffer in place.
+    assert b.data_ptr() - a.data_ptr() == 3 * a.element_size()
+    assert len(averager._buffers) == 1
