@@ -8,6 +8,7 @@ import torch
 from tensorplay_hpc.distributed import autograd, rma
 from tensorplay_hpc.distributed.optim import DistributedOptimizer
 from tensorplay_hpc.distributed.optim.distributed_optimizer import DIRECT_ENV
+from tensorplay_hpc.distributed.rma.window import SHARED_MEMORY_ENV
 
 CONFIGS = [
     (torch.optim.SGD, dict(lr=0.1)),
@@ -21,10 +22,14 @@ CONFIGS = [
 STEPS = 4
 
 
-@pytest.fixture(params=["direct", "fetch"])
+@pytest.fixture(params=["direct", "fetch", "allocate"])
 def step_path(request, monkeypatch):
-    """Run once stepping on the owner's shared memory in place, once with Get and Put."""
+    """Run stepping on the owner's shared memory in place; with Get and Put on the same
+    shared-memory windows; and with Get and Put on windows from ``Win.Allocate`` (as across
+    nodes)."""
     monkeypatch.setenv(DIRECT_ENV, "1" if request.param == "direct" else "0")
+    if request.param == "allocate":
+        monkeypatch.setenv(SHARED_MEMORY_ENV, "0")
     return request.param
 
 

@@ -84,10 +84,11 @@ def test_share_rejects_gpu_like_and_repeated_tensors(world):
         rma.share([t, t])
 
 
-def test_progress_thread_starts_and_stops(world):
+def test_progress_thread_and_poll(world):
     assert MPI.Query_thread() == MPI.THREAD_MULTIPLE
     rank = world.Get_rank()
     with rma.share([torch.tensor([rank * 2.0])], progress_thread=True) as shared:
+        rma.poll()
         assert [ref.to_here().item() for ref in shared.refs] == [
             2.0 * r for r in range(world.Get_size())]
         world.Barrier()

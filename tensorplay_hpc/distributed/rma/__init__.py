@@ -5,8 +5,8 @@
 :mod:`tensorplay_hpc.distributed.autograd` and ``DistributedOptimizer``, sends gradients and
 updates parameters, without the owner taking part.
 """
-from .progress import ProgressThread
+from .progress import ProgressThread, poll
 from .reference import RemoteRef, by_owner
 from .shared import SharedTensors, share
 
-__all__ = ["ProgressThread", "RemoteRef", "SharedTensors", "by_owner", "share"]
+__all__ = ["ProgressThread", "RemoteRef", "SharedTensors", "by_owner", "poll", "share"]

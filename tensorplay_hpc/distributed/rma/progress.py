@@ -5,13 +5,20 @@ other ranks' passive-target operations complete without the owner calling MPI; R
 (``osc/ucx``, ``osc/rdma`` over InfiniBand) behave the same. Transports that emulate one-sided
 operations with messages (Open MPI's ``osc/pt2pt`` over TCP, MPICH's default ``ch3`` without
 ``MPICH_ASYNC_PROGRESS=1``) only serve them while the owner is inside MPI; there the owner needs
-this thread, which enters MPI every ``interval`` seconds.
+this thread, which enters MPI every ``interval`` seconds or, where MPI lacks
+``MPI_THREAD_MULTIPLE`` (Open MPI 4.1's ``osc/pt2pt`` refuses it), to call :func:`poll` now
+and then from its own loop.
 """
 from __future__ import annotations
 
 import threading
 
 from mpi4py import MPI
+
+
+def poll() -> None:
+    """Enter MPI once, so that it serves pending one-sided operations. Local."""
+    MPI.COMM_SELF.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
 
 
 class ProgressThread:
@@ -35,7 +42,7 @@ class ProgressThread:
 
     def _run(self) -> None:
         while not self._stopped.wait(self.interval):
-            MPI.COMM_SELF.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
+            poll()
 
     def stop(self) -> None:
         """End the thread and wait for it."""

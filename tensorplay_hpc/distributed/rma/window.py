@@ -13,6 +13,7 @@ chunk limit are split. Operations complete at the end of the lock epoch that hol
 """
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from typing import Dict, Iterator, Optional, Tuple
 
@@ -21,6 +22,10 @@ from mpi4py import MPI
 
 from tensorplay_hpc import comm
 from tensorplay_hpc.comm.dtypes import move_datatype, reduce_dtype
+
+
+SHARED_MEMORY_ENV = "TENSORPLAY_HPC_RMA_SHARED_MEMORY"
+"""Set to ``0`` to make windows with ``Win.Allocate`` even within one node (to try a transport)."""
 
 
 def within_one_node(communicator: MPI.Intracomm) -> bool:
@@ -32,6 +37,11 @@ def within_one_node(communicator: MPI.Intracomm) -> bool:
         node.Free()
 
 
+def _shared_memory_wanted(communicator: MPI.Intracomm) -> bool:
+    wanted = os.environ.get(SHARED_MEMORY_ENV, "1") != "0"
+    return within_one_node(communicator) and communicator.allreduce(wanted, op=MPI.LAND)
+
+
 class Window:
     """``nbytes`` of window memory on this rank, in a window over ``communicator``.
 
@@ -40,7 +50,7 @@ class Window:
     """
 
     def __init__(self, communicator: MPI.Intracomm, nbytes: int) -> None:
-        if within_one_node(communicator):
+        if _shared_memory_wanted(communicator):
             info = MPI.Info.Create()
             info.Set("alloc_shared_noncontig", "true")  # each rank's part on its own pages
             self.win = MPI.Win.Allocate_shared(nbytes, disp_unit=1, info=info, comm=communicator)
