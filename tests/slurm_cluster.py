@@ -218,5 +218,6 @@ class SlurmCluster:
         """The tail of each daemon log, for failure messages."""
         parts = []
         for path in sorted(self.folder.glob("**/*.log")) + sorted(self.folder.glob("**/*.err")):
-            parts.append(f"--- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-30:]))
+            tail = path.read_text(errors="replace").splitlines()[-30:]
+            parts.append(f"--- {path.name}\n" + "\n".join(tail))
         return "\n".join(parts)

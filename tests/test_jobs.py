@@ -22,10 +22,13 @@ RUN = ["--steps", "150", "--checkpoint-every", "10"]
 """Long enough that a signal sent at the first checkpoint arrives before the end."""
 
 
-def _uninterrupted(tmp_path: Path) -> list:
-    """The losses of RUN at 2 ranks without a stop."""
-    run_dir = tmp_path / "uninterrupted"
-    result = subprocess.run(train_command(2, *RUN, "--run-dir", str(run_dir)), cwd=tmp_path,
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> list:
+    """The losses of RUN at 2 ranks without a stop (what every resumed run must reproduce)."""
+    if not single_rank():
+        pytest.skip(ONLY_UNDER_ONE_RANK)
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    result = subprocess.run(train_command(2, *RUN, "--run-dir", str(run_dir)), cwd=run_dir,
                             env=clean_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     return losses(run_dir)
@@ -46,8 +49,7 @@ def test_job_scripts_pass_shellcheck():
 
 @nested
 @pytest.mark.timeout(900)
-def test_local_sh_checkpoints_on_sigterm_and_resumes(tmp_path):
-    expected = _uninterrupted(tmp_path)
+def test_local_sh_checkpoints_on_sigterm_and_resumes(uninterrupted, tmp_path):
     run_dir = tmp_path / "local"
     command = ["bash", str(REPO / "jobs" / "local.sh"), *TINY, *RUN, "--run-dir", str(run_dir)]
     job = subprocess.Popen(command, cwd=tmp_path, env=clean_env(RANKS="2"), text=True,
@@ -69,7 +71,7 @@ def test_local_sh_checkpoints_on_sigterm_and_resumes(tmp_path):
                            text=True, timeout=600)
     assert again.returncode == 0, again.stdout + again.stderr
     assert f"resumed from {run_dir / 'checkpoints'}" in again.stdout
-    assert losses(run_dir) == expected
+    assert losses(run_dir) == uninterrupted
     assert restarts(run_dir) == [stopped_at + 1]
 
 
@@ -110,8 +112,7 @@ def _wait_for_text(path: Path, text: str, seconds: float, cluster: SlurmCluster,
 @nested
 @pytest.mark.timeout(1200)
 def test_train_sbatch_is_signalled_requeued_and_finishes_like_an_uninterrupted_run(
-        cluster, tmp_path):
-    expected = _uninterrupted(tmp_path)
+        cluster, uninterrupted, tmp_path):
     run_dir, output = tmp_path / "slurm", tmp_path / "job.out"
     job = cluster.sbatch([f"--output={output}", "jobs/train.sbatch", *TINY, *RUN], cwd=REPO,
                          env=clean_env(RUN_DIR=str(run_dir)))
@@ -126,7 +127,7 @@ def test_train_sbatch_is_signalled_requeued_and_finishes_like_an_uninterrupted_r
     for line in ("signal received", "SIGUSR1: stopping at step", f"requeueing job {job}",
                  f"job {job} run 2", "resumed from", "done: 150 steps"):
         assert line in log
-    assert losses(run_dir) == expected
+    assert losses(run_dir) == uninterrupted
     assert len(restarts(run_dir)) == 1
     assert (run_dir / "loss.png").exists()
 

@@ -70,7 +70,8 @@ def test_rank_slices_make_up_the_global_batch():
     assert torch.equal(torch.cat([x for x, _ in parts]), whole_x)
     assert torch.equal(torch.cat([y for _, y in parts]), whole_y)
     assert torch.equal(whole_y[:, :-1], whole_x[:, 1:])
-    assert torch.equal((whole_x[:, 1:] - whole_x[:, :-1]) % 256, torch.ones(8, 4, dtype=torch.int64))
+    consecutive = (whole_x[:, 1:] - whole_x[:, :-1]) % 256
+    assert torch.equal(consecutive, torch.ones(8, 4, dtype=torch.int64))
     again, _ = batch_for_rank(text, seed=3, step=7, batch_size=8, context=5, rank=0, world_size=1)
     other, _ = batch_for_rank(text, seed=3, step=8, batch_size=8, context=5, rank=0, world_size=1)
     assert torch.equal(again, whole_x) and not torch.equal(other, whole_x)
@@ -113,7 +114,8 @@ def test_signal_checkpoint_and_resume_reproduce_an_uninterrupted_run(shared_dir,
     with Preemption() as preemption:
         if WORLD.rank == 0:  # one rank is signalled; all must stop at the same step
             signal.raise_signal(signal.SIGUSR1)
-        stopped = train_here(tiny(parts, optimizer=optimizer, steps=6, resume=True), preemption=preemption)
+        stopped = train_here(tiny(parts, optimizer=optimizer, steps=6, resume=True),
+                             preemption=preemption)
     assert stopped.exit_code == EXIT_PREEMPTED
     assert stopped.steps == 4 and stopped.checkpoint.endswith("step-0000004.h5")
     rest = train_here(tiny(parts, optimizer=optimizer, steps=6, resume=True))
@@ -130,7 +132,8 @@ def test_signal_checkpoint_and_resume_reproduce_an_uninterrupted_run(shared_dir,
 def test_program_on_two_ranks_stops_on_sigusr1_and_resumes_exactly(tmp_path):
     options = ["--steps", "150", "--checkpoint-every", "10", "--eval-every", "50"]
     whole = subprocess.run(train_command(2, *options, "--run-dir", str(tmp_path / "whole")),
-                           cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=600)
+                           cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
+                           timeout=600)
     assert whole.returncode == 0, whole.stdout + whole.stderr
     expected = losses(tmp_path / "whole")
     assert len(expected) == 150 and float(expected[-1]) < float(expected[0]) - 1.0
@@ -140,7 +143,8 @@ def test_program_on_two_ranks_stops_on_sigusr1_and_resumes_exactly(tmp_path):
 
     run_dir = tmp_path / "parts"
     job = subprocess.Popen(train_command(2, *options, "--run-dir", str(run_dir)), cwd=tmp_path,
-                           env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                           env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)
     seen = []
     for line in job.stdout:
         seen.append(line)
@@ -156,7 +160,8 @@ def test_program_on_two_ranks_stops_on_sigusr1_and_resumes_exactly(tmp_path):
     assert (run_dir / "checkpoints" / f"step-{stopped_at:07d}.h5").exists()
 
     resumed = subprocess.run(train_command(2, *options, "--run-dir", str(run_dir), "--resume"),
-                             cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=600)
+                             cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
+                             timeout=600)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert f"at step {stopped_at}" in resumed.stdout
     assert losses(run_dir) == expected
@@ -167,7 +172,8 @@ def test_program_on_two_ranks_stops_on_sigusr1_and_resumes_exactly(tmp_path):
 def test_console_script_and_module_show_the_train_options():
     script = shutil.which("tensorplay-hpc")
     assert script is not None, "the tensorplay-hpc console script is not installed"
-    for command in ([script, "train", "--help"], ["python", "-m", "tensorplay_hpc", "train", "--help"]):
+    for command in ([script, "train", "--help"],
+                    ["python", "-m", "tensorplay_hpc", "train", "--help"]):
         result = subprocess.run(command, cwd=REPO, env=clean_env(), capture_output=True, text=True,
                                 timeout=120)
         assert result.returncode == 0, result.stderr

@@ -19,50 +19,48 @@ continues from the newest checkpoint with the losses of an uninterrupted run."""
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``train``, with :class:`TrainConfig`'s defaults."""
     d = TrainConfig()
+
+    def option(group, flag: str, help: str, **kwargs) -> None:
+        if "default" not in kwargs and kwargs.get("action") is None:
+            kwargs["default"] = getattr(d, flag[2:].replace("-", "_"))
+        if "default" in kwargs and kwargs["default"] is not None:
+            help += " (default %(default)s)"
+        group.add_argument(flag, help=help, **kwargs)
+
     what = parser.add_argument_group("training")
-    what.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer,
-                      help="zero: DDP + ZeroRedundancyOptimizer; postlocal: post-local SGD with "
-                      "periodic model averaging; ddp: DDP + a plain optimizer; local: a plain "
-                      "optimizer, gradients averaged by one allreduce (default %(default)s)")
-    what.add_argument("--inner", choices=INNER_OPTIMIZERS, default=d.inner,
-                      help="the torch.optim optimizer inside (default %(default)s)")
-    what.add_argument("--lr", type=float, default=d.lr, help="learning rate (default %(default)s)")
-    what.add_argument("--batch-size", type=int, default=d.batch_size,
-                      help="sequences per step over all ranks, a multiple of the number of "
-                      "ranks (default %(default)s)")
-    what.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default %(default)s)")
-    what.add_argument("--seed", type=int, default=d.seed, help="seed of weights and batches (default %(default)s)")
-    what.add_argument("--average-period", type=int, default=d.average_period,
-                      help="postlocal: steps between model averagings (default %(default)s)")
-    what.add_argument("--warmup-steps", type=int, default=d.warmup_steps,
-                      help="postlocal: steps of global gradient averaging first (default %(default)s)")
+    option(what, "--optimizer", "zero: DDP + ZeroRedundancyOptimizer; postlocal: post-local SGD "
+           "with periodic model averaging; ddp: DDP + a plain optimizer; local: a plain "
+           "optimizer, gradients averaged by one allreduce", choices=OPTIMIZERS)
+    option(what, "--inner", "the torch.optim optimizer inside", choices=INNER_OPTIMIZERS)
+    option(what, "--lr", "learning rate", type=float)
+    option(what, "--batch-size", "sequences per step over all ranks, a multiple of the number "
+           "of ranks", type=int)
+    option(what, "--steps", "optimizer steps in total", type=int)
+    option(what, "--seed", "seed of the initial weights and of the batches", type=int)
+    option(what, "--average-period", "postlocal: steps between model averagings", type=int)
+    option(what, "--warmup-steps", "postlocal: steps of global gradient averaging first",
+           type=int)
     model = parser.add_argument_group("model")
-    model.add_argument("--layers", type=int, default=d.layers, help="transformer blocks (default %(default)s)")
-    model.add_argument("--width", type=int, default=d.width, help="embedding width (default %(default)s)")
-    model.add_argument("--heads", type=int, default=d.heads, help="attention heads (default %(default)s)")
-    model.add_argument("--context", type=int, default=d.context, help="bytes per sequence (default %(default)s)")
+    option(model, "--layers", "transformer blocks", type=int)
+    option(model, "--width", "embedding width", type=int)
+    option(model, "--heads", "attention heads", type=int)
+    option(model, "--context", "bytes per sequence", type=int)
     files = parser.add_argument_group("files and checkpoints")
-    files.add_argument("--run-dir", type=Path, default=d.run_dir,
-                       help="where metrics.csv and loss.png go (default %(default)s)")
-    files.add_argument("--checkpoint-dir", type=Path, default=None,
-                       help="where checkpoints go (default RUN_DIR/checkpoints)")
-    files.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
-                       help="steps between checkpoints, 0 for only at the end and on a signal "
-                       "(default %(default)s)")
-    files.add_argument("--keep", type=int, default=d.keep,
-                       help="checkpoints kept, 0 for all (default %(default)s)")
-    files.add_argument("--resume", action="store_true",
-                       help="continue from the newest good checkpoint (start afresh if none)")
-    files.add_argument("--eval-every", type=int, default=d.eval_every,
-                       help="steps between validation losses, 0 for only at the end (default %(default)s)")
-    files.add_argument("--eval-batches", type=int, default=d.eval_batches,
-                       help="validation batches each time (default %(default)s)")
+    option(files, "--run-dir", "where metrics.csv and loss.png go", type=Path)
+    option(files, "--checkpoint-dir", "where checkpoints go (default RUN_DIR/checkpoints)",
+           type=Path, default=None)
+    option(files, "--checkpoint-every", "steps between checkpoints, 0 for only at the end and "
+           "on a signal", type=int)
+    option(files, "--keep", "checkpoints kept, 0 for all", type=int)
+    option(files, "--resume", "continue from the newest good checkpoint (start afresh if none)",
+           action="store_true")
+    option(files, "--eval-every", "steps between validation losses, 0 for only at the end",
+           type=int)
+    option(files, "--eval-batches", "validation batches each time", type=int)
     machine = parser.add_argument_group("machine")
-    machine.add_argument("--device", choices=DEVICES, default=d.device,
-                         help="cuda: one GPU per node-local rank (default %(default)s)")
-    machine.add_argument("--threads", type=int, default=d.threads,
-                         help="torch threads per rank, 0 for the node's cores over its ranks "
-                         "(default %(default)s)")
+    option(machine, "--device", "cuda: one GPU per node-local rank", choices=DEVICES)
+    option(machine, "--threads", "torch threads per rank, 0 for the node's cores over its ranks",
+           type=int)
     machine.add_argument("--no-progress", dest="progress", action="store_false",
                          help="no progress bar, only event lines (for batch logs)")
 

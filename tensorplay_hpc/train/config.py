@@ -68,4 +68,5 @@ class TrainConfig:
         for name in _MODEL_SHAPE:
             if saved.get(name) != getattr(self, name):
                 raise ValueError(f"the checkpoint has --{name} {saved.get(name)}, this run "
-                                 f"--{name} {getattr(self, name)}: resume with the same model shape")
+                                 f"--{name} {getattr(self, name)}: resume with the same model "
+                                 "shape")

@@ -53,14 +53,18 @@ class Corpus:
         return cls(train=train, validation=validation, files=len(files))
 
 
-def _windows(text: torch.Tensor, starts: torch.Tensor, context: int) -> Tuple[torch.Tensor, torch.Tensor]:
+Batch = Tuple[torch.Tensor, torch.Tensor]
+"""``(inputs, targets)``: token windows and the same windows shifted by one byte."""
+
+
+def _windows(text: torch.Tensor, starts: torch.Tensor, context: int) -> Batch:
     index = starts.unsqueeze(1) + torch.arange(context + 1).unsqueeze(0)
     window = text[index].long()
     return window[:, :-1], window[:, 1:]
 
 
 def batch_for_rank(text: torch.Tensor, *, seed: int, step: int, batch_size: int, context: int,
-                   rank: int, world_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+                   rank: int, world_size: int) -> Batch:
     """This rank's slice of the global batch of ``step``: ``(inputs, targets)`` of shape
     ``(batch_size // world_size, context)``.
 
@@ -80,7 +84,7 @@ def batch_for_rank(text: torch.Tensor, *, seed: int, step: int, batch_size: int,
 
 
 def validation_batches(text: torch.Tensor, *, seed: int, batches: int, batch_size: int,
-                       context: int, rank: int, world_size: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+                       context: int, rank: int, world_size: int) -> List[Batch]:
     """A fixed set of validation batches, this rank's slice of each (same on every call)."""
     return [batch_for_rank(text, seed=seed + 1, step=-1 - b, batch_size=batch_size, context=context,
                            rank=rank, world_size=world_size) for b in range(batches)]

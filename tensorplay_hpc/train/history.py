@@ -54,5 +54,6 @@ class History:
             for index, (loss, speed) in enumerate(zip(self.losses, self.tokens_per_second)):
                 step = index + 1
                 validation = self.validation.get(step)
-                writer.writerow([step, f"{loss:.6f}", "" if validation is None else f"{validation:.6f}",
-                                 f"{speed:.1f}", int(step - 1 in restarts)])
+                validation_text = "" if validation is None else f"{validation:.6f}"
+                writer.writerow([step, f"{loss:.6f}", validation_text, f"{speed:.1f}",
+                                 int(step - 1 in restarts)])

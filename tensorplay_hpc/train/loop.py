@@ -105,7 +105,8 @@ class Run:
         path = checkpoint.latest(str(self.config.checkpoint_dir)) if self.group.rank == 0 else None
         path = self.group.comm.bcast(path, root=0)
         if path is None:
-            self._say(f"--resume: no checkpoint in {self.config.checkpoint_dir}, starting at step 0")
+            self._say(f"--resume: no checkpoint in {self.config.checkpoint_dir}, "
+                      "starting at step 0")
             return
         extra = checkpoint.load(path, model=self.strategy.module, optimizer=self.strategy.optimizer,
                                 process_group=self.world)

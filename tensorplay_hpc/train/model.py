@@ -33,7 +33,8 @@ class Block(nn.Module):
         self.norm1 = nn.LayerNorm(width)
         self.attention = CausalSelfAttention(width, heads)
         self.norm2 = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
+                                 nn.Linear(4 * width, width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.norm1(x))

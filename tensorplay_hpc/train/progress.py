@@ -1,6 +1,7 @@
 """What a user sees: on rank 0 a progress bar and one line per event; other ranks stay quiet."""
 from __future__ import annotations
 
+import shutil
 import sys
 from typing import Optional
 
@@ -21,13 +22,16 @@ class Progress:
         self.enabled = rank == 0
         self._bar: Optional[tqdm] = None
         if self.enabled and bar:
-            self._bar = tqdm(total=total, initial=done, unit="step", dynamic_ncols=True,
-                             file=sys.stdout, desc="train", mininterval=0.5)
+            # mpiexec gives rank 0 a terminal of size 0 x 0, where tqdm would draw nothing.
+            size = shutil.get_terminal_size(fallback=(100, 24))
+            self._bar = tqdm(total=total, initial=done, unit="step", ncols=size.columns,
+                             nrows=size.lines, file=sys.stdout, desc="train", mininterval=0.5)
 
     def step(self, loss: float, tokens_per_second: float) -> None:
         """Advance the bar by one step."""
         if self._bar is not None:
-            self._bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_second:,.0f}", refresh=False)
+            self._bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_second:,.0f}",
+                                  refresh=False)
             self._bar.update(1)
 
     def say(self, line: str) -> None:

@@ -73,7 +73,8 @@ def _gradients_already_averaged() -> None:
 
 
 def build(module: nn.Module, config: TrainConfig, group: comm.ProcessGroup) -> Strategy:
-    """Wrap ``module`` and make the optimizer for ``config.optimizer``. Collective over ``group``."""
+    """Wrap ``module`` and make the optimizer for ``config.optimizer``. Collective over
+    ``group``."""
     inner, defaults = INNER[config.inner], inner_defaults(config)
     if config.optimizer == "local":
         comm.broadcast_coalesced([p.detach() for p in module.parameters()], group.comm, root=0)
@@ -88,7 +89,8 @@ def build(module: nn.Module, config: TrainConfig, group: comm.ProcessGroup) -> S
                                             process_group=group.parent, **defaults)
         return Strategy(module, model, optimizer, _gradients_already_averaged)
     if config.optimizer == "ddp":
-        return Strategy(module, model, inner(module.parameters(), **defaults), _gradients_already_averaged)
+        return Strategy(module, model, inner(module.parameters(), **defaults),
+                        _gradients_already_averaged)
     state = PostLocalSGDState(process_group=group.parent, subgroup=None,
                               start_localSGD_iter=config.warmup_steps)
     model.register_comm_hook(state, post_localSGD_hook)
