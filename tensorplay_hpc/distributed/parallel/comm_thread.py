@@ -4,9 +4,25 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Callable, Optional
 
 import torch
+from mpi4py import MPI
+
+POLL_SECONDS = 2e-4
+
+
+def wait_for_all(comm: MPI.Intracomm) -> None:
+    """Block until every rank of ``comm`` has called this, sleeping between tests.
+
+    A blocking MPI collective spins while it waits for late ranks, taking a core from the
+    backward pass that runs beside it; waiting here first means the collective that follows
+    starts with every rank present. Collective.
+    """
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(POLL_SECONDS)
 
 
 class ThreadWork:
@@ -54,6 +70,7 @@ class CommThread:
                 work.error = error
             finally:
                 work.done.set()
+                del reduce, work   # hold nothing (such as the reducer) while idle
 
     def stop(self) -> None:
         """Finish the queued reductions and end the thread."""

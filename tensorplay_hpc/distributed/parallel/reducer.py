@@ -7,12 +7,13 @@ order, so every rank issues the same collectives in the same order whatever orde
 arrive in. A callback queued on the autograd engine waits for all buckets when the backward pass
 ends and writes the averaged gradients back.
 
-The built-in reduction runs on a communication thread (:mod:`.comm_thread`) as blocking
-allreduces in cache-sized pieces (:mod:`tensorplay_hpc.comm.pieces`). Open MPI's nonblocking
-allreduce advances only inside MPI calls and, in place or below 4 ranks, uses a binomial tree;
-measured on 2 ranks it was 3-4x slower than the blocking one in pieces. Communication hooks
-return their own handles (usually nonblocking ``comm.Work``); the hooks of later buckets test
-the oldest outstanding one, which drives MPI progress during the backward pass.
+The built-in reduction runs on a communication thread (:mod:`.comm_thread`): it waits without
+spinning until every rank has the bucket, then runs blocking allreduces in cache-sized pieces
+(:mod:`tensorplay_hpc.comm.pieces`). Open MPI's nonblocking allreduce advances only inside MPI
+calls and, in place or below 4 ranks, uses a binomial tree; measured on 2 ranks it was 3-4x
+slower than the blocking one in pieces. Communication hooks return their own handles (usually
+nonblocking ``comm.Work``); the hooks of later buckets test the oldest outstanding one, which
+drives MPI progress during the backward pass.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from tensorplay_hpc import comm
 from tensorplay_hpc.comm.pieces import all_reduce_in_pieces
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.default_hooks import BucketWork
 
-from .comm_thread import CommThread
+from .comm_thread import CommThread, wait_for_all
 
 FIRST_BUCKET_BYTES = 1 << 20   # a small first bucket starts communication early, as in PyTorch
 
@@ -263,8 +264,11 @@ class Reducer:
         if self._worker is None:
             all_reduce_in_pieces(bucket.buffer(), self.comm)
             return BucketWork(bucket.buffer())
-        return self._worker.submit(bucket.buffer(),
-                                   lambda buffer: all_reduce_in_pieces(buffer, self.comm))
+        return self._worker.submit(bucket.buffer(), self._reduce_on_thread)
+
+    def _reduce_on_thread(self, buffer: torch.Tensor) -> None:
+        wait_for_all(self.comm)   # the late ranks' backward passes keep their cores meanwhile
+        all_reduce_in_pieces(buffer, self.comm)
 
     def _progress(self) -> None:
         while self._tested < len(self._results) and _done(self._results[self._tested]):
