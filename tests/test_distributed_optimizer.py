@@ -158,6 +158,21 @@ def test_bad_construction_is_reported(world):
             DistributedOptimizer(torch.optim.SGD, shared.refs, lr=-1.0)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_ranks_that_disagree_all_raise(world):
+    rank = world.Get_rank()
+    with rma.share([torch.zeros(2)]) as shared:
+        with pytest.raises(ValueError, match="SGD keeps different state on rank 1 than on rank 0"):
+            DistributedOptimizer(torch.optim.SGD, shared.refs, lr=0.1,
+                                 momentum=0.9 if rank == 1 else 0.0)
+        if rank == 1:
+            with pytest.raises(RuntimeError, match="SGD failed a step on a dummy"):
+                DistributedOptimizer(torch.optim.SGD, shared.refs, lr=-1.0)
+        else:
+            with pytest.raises(RuntimeError, match="DistributedOptimizer failed on rank 1"):
+                DistributedOptimizer(torch.optim.SGD, shared.refs, lr=0.1)
+
+
 def owner_computes_without_mpi(param, expected, seconds=60.0):
     """The owner's loop: reads its parameter locally, never calls MPI, until it holds
     ``expected`` or time runs out. Returns the distinct values it saw."""

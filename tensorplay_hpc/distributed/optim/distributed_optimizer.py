@@ -119,44 +119,11 @@ class DistributedOptimizer:
         communicator = self._shared.communicator
         mine = sorted({(ref.owner(), ref.index) for ref in self._refs})
         union = sorted({key for keys in communicator.allgather(mine) for key in keys})
-        entries: Dict[Spec, List[StateEntry]] = {}
-        try:
-            for owner, index in union:
-                ref = self._shared.refs_of(owner)[index]
-                spec = (tuple(ref.shape), ref.dtype)
-                if spec not in entries:
-                    entries[spec] = learn_state(optimizer_class, *spec, args, kwargs)
-            signature = sorted((spec[0], str(spec[1]), [e.signature() for e in found])
-                               for spec, found in entries.items())
-        except (RuntimeError, TypeError) as error:
-            signature = error
-        signatures = communicator.allgather(signature)  # every rank learns of any failure
-        if isinstance(signature, Exception):
-            raise signature
-        for other, theirs in enumerate(signatures):
-            if isinstance(theirs, Exception):
-                raise RuntimeError(f"DistributedOptimizer failed on rank {other}: {theirs}")
-            if theirs != signatures[0]:
-                raise ValueError(f"DistributedOptimizer: {optimizer_class.__name__} keeps "
-                                 f"different state on rank {other} than on rank 0 "
-                                 f"({theirs} vs {signatures[0]}); give every rank the same "
-                                 "configuration")
+        entries = self._agree_on_entries(union, args, kwargs)
         self._entries: Dict[ParamKey, List[StateEntry]] = {}
         self._offsets: Dict[ParamKey, List[int]] = {}  # flag, then one per entry
-        layouts = []
-        for owner in range(self._shared.size):
-            keys = [key for key in union if key[0] == owner]
-            specs, first = [], {}
-            for key in keys:
-                ref = self._shared.refs_of(owner)[key[1]]
-                self._entries[key] = entries[(tuple(ref.shape), ref.dtype)]
-                first[key] = len(specs)
-                specs += [_FLAG] + [e.spec for e in self._entries[key]]
-            layout = Layout(specs)
-            for key in keys:
-                start = first[key]
-                self._offsets[key] = layout.offsets[start:start + 1 + len(self._entries[key])]
-            layouts.append(layout)
+        layouts = [self._lay_out_state(owner, union, entries)
+                   for owner in range(self._shared.size)]
         self._state = Window(communicator, layouts[rank].nbytes)
         self._state.local.zero_()  # no parameter has state yet
         # Direct steps run the optimizer on the owner's memory itself (a shared-memory window);
@@ -170,6 +137,50 @@ class DistributedOptimizer:
             self._fetched = {ref: self._buffers(ref) for ref in self._refs}
         self._optimizer = optimizer_class(list(self._proxies.values()), *args, **kwargs)
         communicator.Barrier()  # every owner's flags are cleared before anyone steps
+
+    def _agree_on_entries(self, union: List[ParamKey], args: tuple,
+                          kwargs: dict) -> Dict[Spec, List[StateEntry]]:
+        """The state entries per parameter shape and dtype, learned on every rank and checked
+        to agree. Collective: a failure on any rank is raised on all."""
+        optimizer_class = self._optimizer_class
+        entries: Dict[Spec, List[StateEntry]] = {}
+        try:
+            for owner, index in union:
+                ref = self._shared.refs_of(owner)[index]
+                spec = (tuple(ref.shape), ref.dtype)
+                if spec not in entries:
+                    entries[spec] = learn_state(optimizer_class, *spec, args, kwargs)
+            signature = sorted((spec[0], str(spec[1]), [e.signature() for e in found])
+                               for spec, found in entries.items())
+        except (RuntimeError, TypeError) as error:
+            signature = error
+        signatures = self._shared.communicator.allgather(signature)
+        if isinstance(signature, Exception):
+            raise signature
+        for other, theirs in enumerate(signatures):
+            if isinstance(theirs, Exception):
+                raise RuntimeError(f"DistributedOptimizer failed on rank {other}: {theirs}")
+            if theirs != signatures[0]:
+                raise ValueError(f"DistributedOptimizer: {optimizer_class.__name__} keeps "
+                                 f"different state on rank {other} than on rank 0 "
+                                 f"({theirs} vs {signatures[0]}); give every rank the same "
+                                 "configuration")
+        return entries
+
+    def _lay_out_state(self, owner: int, union: List[ParamKey],
+                       entries: Dict[Spec, List[StateEntry]]) -> Layout:
+        """Where flag and state of each of ``owner``'s parameters lie in its state window."""
+        keys = [key for key in union if key[0] == owner]
+        specs, first = [], {}
+        for key in keys:
+            ref = self._shared.refs_of(owner)[key[1]]
+            self._entries[key] = entries[(tuple(ref.shape), ref.dtype)]
+            first[key] = len(specs)
+            specs += self._specs(key)
+        layout = Layout(specs)
+        for key in keys:
+            self._offsets[key] = layout.offsets[first[key]:first[key] + len(self._specs(key))]
+        return layout
 
     @property
     def in_place(self) -> bool:
