@@ -1,10 +1,10 @@
 """Gradient buckets and their reduction, overlapped with the backward pass.
 
-Each parameter has a post-accumulate-grad hook. When it fires, the gradient is copied (divided
-by the group size) into its slot of a flat bucket buffer; when every slot of a bucket is filled,
-the bucket's reduction starts while the backward pass goes on. Buckets start strictly in index
-order, so every rank issues the same collectives in the same order whatever order its gradients
-arrive in. A callback queued on the autograd engine waits for all buckets when the backward pass
+Each parameter has a post-accumulate-grad hook. When it fires, the gradient is copied into its
+slot of a flat bucket buffer (nothing to copy when it already lives there); when every slot of a
+bucket is filled, the bucket's reduction starts while the backward pass goes on. Buckets start
+strictly in index order, so every rank issues the same collectives in the same order whatever
+order its gradients arrive in. A callback queued on the autograd engine waits for all buckets when the backward pass
 ends and writes the averaged gradients back.
 
 The built-in reduction runs on a communication thread (:mod:`.comm_thread`): it waits without
@@ -163,7 +163,6 @@ class Reducer:
         self.params = list(params)
         self.names = list(names)
         self.comm = communicator
-        self.size = communicator.Get_size()
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         layout = assign_buckets(self.params, bucket_cap_bytes)
@@ -238,17 +237,10 @@ class Reducer:
         slot = self.buckets[b].flat.views[position]
         param = self.params[index]
         grad = param.grad
-        divide = self._hook is None   # the built-in reduction averages as it copies in
         if grad is None:
             slot.zero_()
-        elif grad.data_ptr() == slot.data_ptr():
-            if divide:
-                slot.div_(self.size)
-        else:
-            if divide:
-                torch.div(grad, self.size, out=slot)
-            else:
-                slot.copy_(grad)
+        elif grad.data_ptr() != slot.data_ptr():
+            slot.copy_(grad)
             if self.gradient_as_bucket_view:
                 param.grad = slot
         self._ready[index] = True
@@ -262,13 +254,14 @@ class Reducer:
         if self._hook is not None:
             return self._hook(self._hook_state, bucket)
         if self._worker is None:
-            all_reduce_in_pieces(bucket.buffer(), self.comm)
+            all_reduce_in_pieces(bucket.buffer(), self.comm, comm.ReduceOp.AVG)
             return BucketWork(bucket.buffer())
         return self._worker.submit(bucket.buffer(), self._reduce_on_thread)
 
     def _reduce_on_thread(self, buffer: torch.Tensor) -> None:
         wait_for_all(self.comm)   # the late ranks' backward passes keep their cores meanwhile
-        all_reduce_in_pieces(buffer, self.comm)
+        # Each piece is divided right after its sum, while it is still in the cache.
+        all_reduce_in_pieces(buffer, self.comm, comm.ReduceOp.AVG)
 
     def _progress(self) -> None:
         while self._tested < len(self._results) and _done(self._results[self._tested]):
