@@ -16,6 +16,11 @@ if [ -f "$root/scripts/env.sh" ]; then
 else
     MPIEXEC=(mpiexec)
 fi
+version=$(mpiexec --version 2>/dev/null || true)
+if [[ $version == *"Open MPI"* || $version == *"OpenRTE"* ]]; then
+    # No "process returned a non-zero exit code" banner: status 85 is a planned stop.
+    MPIEXEC+=(--quiet)
+fi
 
 status=0
 run_preemptible "${MPIEXEC[@]}" -n "${RANKS:-2}" python -m tensorplay_hpc train --resume "$@" \

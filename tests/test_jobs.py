@@ -145,3 +145,20 @@ def test_bench_sbatch_prints_json_results(cluster, tmp_path):
     assert rows and all(row["bench"] == "comm" and row["ranks"] == 2 for row in rows)
     assert {"allreduce", "allgather", "broadcast"} <= {row["case"] for row in rows}
     assert all(row["ours_s"] > 0 and row["speedup"] > 0 for row in rows)
+
+
+@nested
+@pytest.mark.timeout(900)
+def test_train_gpu_sbatch_runs_its_training_step(cluster, tmp_path):
+    # This node has no GPU: ask for none, and let the trailing --device cpu override the
+    # script's --device cuda, so everything but the device is the real script at work.
+    output, run_dir = tmp_path / "gpu.out", tmp_path / "gpu"
+    job = cluster.sbatch([f"--output={output}", "--gpus-per-node=0", "--cpus-per-task=1",
+                          "--ntasks-per-node=2", "jobs/train-gpu.sbatch", *TINY, "--steps", "20",
+                          "--device", "cpu"], cwd=REPO, env=clean_env(RUN_DIR=str(run_dir)))
+    info = _wait_for_state(cluster, job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, 600)
+    log = output.read_text(errors="replace")
+    assert info["JobState"] == "COMPLETED", log
+    assert "2 ranks on cpu" in log and "CUDA-aware MPI override: none" in log
+    assert "done: 20 steps" in log and "training exited with status 0" in log
+    assert len(losses(run_dir)) == 20

@@ -74,6 +74,9 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
 def run(args: argparse.Namespace) -> int:
     """Run ``train`` on every rank; return the exit status. A failure on one rank prints its
     traceback with the rank and aborts the whole job, so no rank waits forever."""
+    # Catch the signals before the slow setup, so one sent during it still counts, and until the
+    # process ends, so one sent just after the last step cannot kill a finished rank.
+    preemption = Preemption().install()
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
@@ -84,9 +87,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"tensorplay-hpc train: error: {error}", file=sys.stderr)
         return 2
     try:
-        with Preemption() as preemption:  # before the slow setup: a signal then still counts
-            from .loop import train
-            return train(config, world, preemption).exit_code
+        from .loop import train
+        return train(config, world, preemption).exit_code
     except BaseException as error:  # noqa: B036 - any failure must take the whole job down
         if world.Get_size() == 1 or isinstance(error, SystemExit):
             raise

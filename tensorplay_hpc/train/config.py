@@ -25,7 +25,7 @@ class TrainConfig:
     width: int = 128
     heads: int = 4
     context: int = 64
-    steps: int = 300
+    steps: int = 400
     average_period: int = 4
     warmup_steps: int = 50
     eval_every: int = 50

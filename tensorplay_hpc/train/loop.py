@@ -117,7 +117,8 @@ class Run:
         self.last_checkpoint = path
         saved_ranks = int(extra["config"].get("ranks", self.group.size))
         note = ("" if saved_ranks == self.group.size else
-                f" (saved by {saved_ranks} ranks: losses will differ from an uninterrupted run)")
+                f" (saved by {saved_ranks} ranks: the losses may differ in the last digits from "
+                "an uninterrupted run)")
         self._say(f"resumed from {path} at step {self.history.step}{note}")
 
     def _validate(self) -> float:

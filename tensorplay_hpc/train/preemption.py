@@ -19,7 +19,8 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 class Preemption:
     """Catches :data:`SIGNALS` and lets the ranks agree, once per step, whether to stop.
 
-    Use as a context manager: the previous handlers come back on exit.
+    Use as a context manager (the previous handlers come back on exit), or :meth:`install` it
+    for the rest of the process.
     """
 
     def __init__(self) -> None:
@@ -29,14 +30,23 @@ class Preemption:
     def _handle(self, number: int, frame: Optional[FrameType]) -> None:
         self.signal = number
 
-    def __enter__(self) -> "Preemption":
+    def install(self) -> "Preemption":
+        """Catch :data:`SIGNALS` from now on."""
         for number in SIGNALS:
             self._previous[number] = signal.signal(number, self._handle)
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def restore(self) -> None:
+        """Give the signals back to their previous handlers."""
         for number, handler in self._previous.items():
             signal.signal(number, handler)
+        self._previous.clear()
+
+    def __enter__(self) -> "Preemption":
+        return self.install()
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
 
     def agree(self, loss: float, communicator: "MPI.Intracomm") -> tuple[float, bool]:
         """Average a step's loss over the ranks and agree whether any rank was signalled, in one
