@@ -12,7 +12,7 @@ from typing import List, Optional, Sequence
 import torch
 from mpi4py import MPI
 
-from .chunking import chunk_elements, chunks
+from .chunking import chunk_elements, chunks, piece_elements
 from .consistency import check_collective
 from .dtypes import ReduceOp, reduce_dtype, reduce_op
 from .flat_buffer import pack_by_dtype_device
@@ -42,22 +42,31 @@ def _check_counts(counts: Sequence[int], comm: MPI.Intracomm, total: int, what: 
 
 def all_reduce(tensor: torch.Tensor, comm: MPI.Intracomm, op: ReduceOp = ReduceOp.SUM,
                async_op: bool = False) -> Optional[Work]:
-    """Reduce ``tensor`` across the group, in place, leaving the result on every rank."""
+    """Reduce ``tensor`` across the group, in place, leaving the result on every rank.
+
+    A blocking call works in cache-sized pieces (see :mod:`.chunking`), averaging each piece
+    while it is still in cache.
+    """
     op = ReduceOp(op)
     staged = Staged(tensor, reduce=True)
     mpi_op = reduce_op(staged.work.dtype, op)
+    size = comm.Get_size()
+    flat = staged.work.view(-1)
     check_collective(comm, "all_reduce", count=staged.count, dtype=str(tensor.dtype), op=op.name)
     requests = []
     with watched("all_reduce", comm):
-        for start, n in chunks(staged.count):
-            if async_op:
+        if async_op:
+            for start, n in chunks(staged.count):
                 requests.append(comm.Iallreduce(MPI.IN_PLACE, staged.buf(start, n), mpi_op))
-            else:
+        else:
+            for start, n in chunks(staged.count, piece_elements(flat.element_size())):
                 comm.Allreduce(MPI.IN_PLACE, staged.buf(start, n), mpi_op)
+                if op is ReduceOp.AVG:
+                    flat[start:start + n].div_(size)
 
     def finish() -> None:
-        if op is ReduceOp.AVG:
-            staged.work.div_(comm.Get_size())
+        if op is ReduceOp.AVG and async_op:
+            flat.div_(size)
         staged.finish()
     return complete(requests, finish, async_op, operation="all_reduce", comm=comm)
 

@@ -9,7 +9,7 @@ ends and writes the averaged gradients back.
 
 The built-in reduction runs on a communication thread (:mod:`.comm_thread`): it waits without
 spinning until every rank has the bucket, then runs blocking allreduces in cache-sized pieces
-(:mod:`tensorplay_hpc.comm.pieces`). Open MPI's nonblocking allreduce advances only inside MPI
+(:mod:`tensorplay_hpc.comm.chunking`). Open MPI's nonblocking allreduce advances only inside MPI
 calls and, in place or below 4 ranks, uses a binomial tree; measured on 2 ranks it was 3-4x
 slower than the blocking one in pieces. Communication hooks return their own handles (usually
 nonblocking ``comm.Work``); the hooks of later buckets test the oldest outstanding one, which
@@ -25,7 +25,6 @@ from mpi4py import MPI
 from torch.utils._pytree import tree_leaves
 
 from tensorplay_hpc import comm
-from tensorplay_hpc.comm.pieces import all_reduce_in_pieces
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.default_hooks import BucketWork
 
 from .comm_thread import CommThread, wait_for_all
@@ -254,14 +253,14 @@ class Reducer:
         if self._hook is not None:
             return self._hook(self._hook_state, bucket)
         if self._worker is None:
-            all_reduce_in_pieces(bucket.buffer(), self.comm, comm.ReduceOp.AVG)
+            comm.all_reduce(bucket.buffer(), self.comm, comm.ReduceOp.AVG)
             return BucketWork(bucket.buffer())
         return self._worker.submit(bucket.buffer(), self._reduce_on_thread)
 
     def _reduce_on_thread(self, buffer: torch.Tensor) -> None:
         wait_for_all(self.comm)   # the late ranks' backward passes keep their cores meanwhile
         # Each piece is divided right after its sum, while it is still in the cache.
-        all_reduce_in_pieces(buffer, self.comm, comm.ReduceOp.AVG)
+        comm.all_reduce(buffer, self.comm, comm.ReduceOp.AVG)
 
     def _progress(self) -> None:
         while self._tested < len(self._results) and _done(self._results[self._tested]):

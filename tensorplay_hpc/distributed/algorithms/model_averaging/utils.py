@@ -8,7 +8,6 @@ from mpi4py import MPI
 
 from tensorplay_hpc import comm
 from tensorplay_hpc.comm.dtypes import reduce_dtype
-from tensorplay_hpc.comm.pieces import all_reduce_in_pieces
 from tensorplay_hpc.comm.private import private_comm
 
 __all__ = ["average_parameters", "average_parameters_or_parameter_groups",
@@ -59,14 +58,14 @@ def average_on_communicator(params: Params, communicator: MPI.Comm,
         key = (dtype, device, tuple(t.shape for t in group))
         flat = buffers.get(key) if buffers is not None else None
         if flat is not None and _lives_in(flat, group):
-            all_reduce_in_pieces(flat.buffer, communicator, comm.ReduceOp.AVG)
+            comm.all_reduce(flat.buffer, communicator, comm.ReduceOp.AVG)
             continue
         if flat is None:
             flat = comm.FlatBuffer(key[2], reduce_dtype(dtype), device)
             if buffers is not None:
                 buffers[key] = flat
         flat.copy_from(group)
-        all_reduce_in_pieces(flat.buffer, communicator, comm.ReduceOp.AVG)
+        comm.all_reduce(flat.buffer, communicator, comm.ReduceOp.AVG)
         if buffers is not None and flat.buffer.dtype == dtype:
             for i, view in zip(indices, flat.views):
                 selected[i].data = view
@@ -79,7 +78,7 @@ def average_parameters(params: Params, process_group: Optional[MPI.Comm] = None)
     ``process_group`` (``None`` is ``MPI.COMM_WORLD``), in place.
 
     All of them travel in one flat buffer per dtype (16-bit floats packed as float32), reduced
-    in cache-sized pieces (:mod:`tensorplay_hpc.comm.pieces`). Unlike PyTorch, the parameters
+    in cache-sized pieces (:mod:`tensorplay_hpc.comm.chunking`). Unlike PyTorch, the parameters
     keep their own storage: the averages are copied back rather than the parameters being
     re-pointed into the flat buffer (the averagers re-point them once and then average without
     copying). Traffic goes over a private duplicate of ``process_group``, made on the first call
