@@ -12,7 +12,6 @@ the same operation on a raw mpi4py window of the same bytes.
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import time
 from typing import Callable, List, Sequence
@@ -21,6 +20,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from tensorplay_hpc.bench.gloo import free_port
 from tensorplay_hpc.bench.report import Report
 from tensorplay_hpc.distributed import autograd, rma
 from tensorplay_hpc.distributed.optim import DistributedOptimizer
@@ -86,21 +86,11 @@ def our_iteration(refs: List[rma.RemoteRef], optimizer: DistributedOptimizer,
     return iteration
 
 
-def free_port() -> int:
-    """A free local port chosen on rank 0. Collective."""
-    port = None
-    if WORLD.Get_rank() == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    return WORLD.bcast(port, root=0)
-
-
 def start_rpc() -> None:
     """``torch.distributed.rpc`` with TensorPipe on both ranks. Collective."""
     import torch.distributed.rpc as rpc
     os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(free_port())
+    os.environ["MASTER_PORT"] = str(free_port(WORLD))
     rank = WORLD.Get_rank()
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, backend=rpc.BackendType.TENSORPIPE,
                  rpc_backend_options=rpc.TensorPipeRpcBackendOptions())

@@ -2,21 +2,31 @@
 
 Whatever the optimizer, the file holds PyTorch's consolidated structure: state by global
 parameter index (the numbering of ``torch.optim.Optimizer.state_dict``) and param_groups. An
-adapter says which part of it this rank writes, which part it must read back, and how to load it.
+adapter says which part of it this rank writes, which part it must read back, and how to load it,
+plus any further datasets under ``/optimizer`` its kind needs.
 
 - a plain ``torch.optim`` optimizer is replicated: the ranks share the writing, every rank
   reads everything;
 - ``ZeroRedundancyOptimizer``: each rank writes and reads the state of the parameters it owns;
 - ``PostLocalSGDOptimizer``: its inner optimizer, plus the averager's step counter;
-- ``DistributedOptimizer``: each owner writes the state of the parameters it holds.
+- ``DistributedOptimizer``: each owner writes and reads the state and the values of the
+  parameters it holds (the values live in its window memory, not in a model).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from itertools import zip_longest
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
+from .format import CheckpointError, dtype_name
+
+if TYPE_CHECKING:
+    from tensorplay_hpc.distributed.optim import DistributedOptimizer
+
 State = Dict[int, Dict[str, Any]]
+Checkpointable = Union[torch.optim.Optimizer, "DistributedOptimizer"]
+"""What ``checkpoint.save`` and ``load`` take as ``optimizer``."""
 
 
 def class_name(cls: type) -> str:
@@ -44,7 +54,7 @@ class OptimizerAdapter:
 
     kind = "local"
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, optimizer: Checkpointable) -> None:
         self.optimizer = optimizer
 
     @property
@@ -71,7 +81,18 @@ class OptimizerAdapter:
         """The global indices whose state this rank needs; ``None`` for all of them."""
         return None
 
-    def load(self, state: State, param_groups: List[Dict[str, Any]], attributes: Dict[str, Any]) -> None:
+    def tensors_to_write(self, rank: int) -> Dict[str, torch.Tensor]:
+        """Further datasets (by path in the file, under ``optimizer/``) this rank writes."""
+        return {}
+
+    def tensors_to_read(self, rank: int) -> List[str]:
+        """The further datasets this rank needs; those missing from the file are left out."""
+        return []
+
+    def load(self, state: State, param_groups: List[Dict[str, Any]], attributes: Dict[str, Any],
+             tensors: Dict[str, torch.Tensor]) -> None:
+        """Load ``state`` (this rank's :meth:`indices_to_read`) and ``tensors`` (those of
+        :meth:`tensors_to_read` in the file)."""
         self.optimizer.load_state_dict({"state": state, "param_groups": param_groups})
 
 
@@ -118,14 +139,102 @@ class PostLocalSGDAdapter(OptimizerAdapter):
     def indices_to_read(self, rank: int) -> Optional[List[int]]:
         return self.inner.indices_to_read(rank)
 
-    def load(self, state: State, param_groups: List[Dict[str, Any]], attributes: Dict[str, Any]) -> None:
-        self.inner.load(state, param_groups, attributes)
+    def tensors_to_write(self, rank: int) -> Dict[str, torch.Tensor]:
+        return self.inner.tensors_to_write(rank)
+
+    def tensors_to_read(self, rank: int) -> List[str]:
+        return self.inner.tensors_to_read(rank)
+
+    def load(self, state: State, param_groups: List[Dict[str, Any]], attributes: Dict[str, Any],
+             tensors: Dict[str, torch.Tensor]) -> None:
+        self.inner.load(state, param_groups, attributes, tensors)
         self.optimizer.averager.step = int(attributes.get("averager_step", 0))
 
 
-def adapter_for(optimizer: torch.optim.Optimizer) -> OptimizerAdapter:
+def parameter_name(index: int) -> str:
+    """The dataset holding the value of a DistributedOptimizer's parameter ``index`` (global)."""
+    return f"optimizer/parameters/{index}"
+
+
+class DistributedOptimizerAdapter(OptimizerAdapter):
+    """A ``DistributedOptimizer``: global index = position in its sorted ``(owner, index)`` keys.
+
+    Each owner writes and reads back the values and state of the parameters it owns, straight
+    from and into its window memory. The ``parameters`` attribute lists every parameter's
+    ``[owner, index, shape, dtype]``; loading needs the same list.
+    """
+
+    kind = "distributed"
+
+    @property
+    def optimizer_class(self) -> str:
+        return class_name(self.optimizer.optimizer_class)
+
+    def param_groups(self) -> List[Dict[str, Any]]:
+        return [{**self.optimizer.hyperparameters,
+                 "params": list(range(len(self.optimizer.parameter_refs)))}]
+
+    def attributes(self) -> Dict[str, Any]:
+        return {"parameters": self._structure()}
+
+    def _structure(self) -> List[list]:
+        return [[ref.owner(), ref.index, list(ref.shape), dtype_name(ref.dtype)]
+                for ref in self.optimizer.parameter_refs]
+
+    def state_to_write(self, rank: int, size: int) -> State:
+        return self.optimizer.owned_state()
+
+    def indices_to_read(self, rank: int) -> Optional[List[int]]:
+        return self.optimizer.owned_indices()
+
+    def tensors_to_write(self, rank: int) -> Dict[str, torch.Tensor]:
+        return {parameter_name(i): value
+                for i, value in self.optimizer.owned_parameters().items()}
+
+    def tensors_to_read(self, rank: int) -> List[str]:
+        return [parameter_name(i) for i in self.optimizer.owned_indices()]
+
+    def load(self, state: State, param_groups: List[Dict[str, Any]], attributes: Dict[str, Any],
+             tensors: Dict[str, torch.Tensor]) -> None:
+        """The values and state of this rank's parameters; the hyperparameters stay those of
+        construction (a DistributedOptimizer has no param_groups to change)."""
+        self._check_structure(attributes.get("parameters"))
+        parameters = {}
+        for index in self.optimizer.owned_indices():
+            if parameter_name(index) not in tensors:
+                raise CheckpointError(f"the checkpoint lacks the value of parameter {index}")
+            parameters[index] = tensors[parameter_name(index)]
+        self.optimizer.load_owned(parameters, state)
+
+    def _check_structure(self, saved: Optional[List[list]]) -> None:
+        """Raise CheckpointError, naming the first differing parameter, unless the checkpoint
+        was saved from a DistributedOptimizer over the same parameters."""
+        if saved is None:
+            raise CheckpointError("the checkpoint holds no DistributedOptimizer parameters (it "
+                                  "was saved from another kind of optimizer)")
+        ours = self._structure()
+        for index, (in_file, here) in enumerate(zip_longest(saved, ours)):
+            if in_file != here:
+                raise CheckpointError(
+                    f"the DistributedOptimizer's parameters do not match the checkpoint's "
+                    f"({len(saved)} in the file, {len(ours)} here): parameter {index} is "
+                    f"{_describe_parameter(in_file)} in the file, {_describe_parameter(here)} "
+                    "here")
+
+
+def _describe_parameter(entry: Optional[list]) -> str:
+    if entry is None:
+        return "absent"
+    owner, index, shape, dtype = entry
+    return f"tensor {index} of rank {owner} ({dtype}, shape {tuple(shape)})"
+
+
+def adapter_for(optimizer: Checkpointable) -> OptimizerAdapter:
     """The adapter for ``optimizer``'s kind."""
-    from tensorplay_hpc.distributed.optim import PostLocalSGDOptimizer, ZeroRedundancyOptimizer
+    from tensorplay_hpc.distributed.optim import (DistributedOptimizer, PostLocalSGDOptimizer,
+                                                  ZeroRedundancyOptimizer)
+    if isinstance(optimizer, DistributedOptimizer):
+        return DistributedOptimizerAdapter(optimizer)
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         return ZeroAdapter(optimizer)
     if isinstance(optimizer, PostLocalSGDOptimizer):

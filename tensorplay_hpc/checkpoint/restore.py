@@ -6,7 +6,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from . import format as fmt
-from .optimizers import adapter_for
+from .optimizers import Checkpointable, adapter_for
 from .reader import Reader
 
 
@@ -31,8 +31,8 @@ def model_state(reader: Reader, model: torch.nn.Module) -> None:
     model.load_state_dict(loaded)
 
 
-def optimizer_state(reader: Reader, optimizer: torch.optim.Optimizer, rank: int) -> None:
-    """Load the part of the optimizer state this rank needs."""
+def optimizer_state(reader: Reader, optimizer: Checkpointable, rank: int) -> None:
+    """Load the part of the optimizer state (and further optimizer datasets) this rank needs."""
     adapter = adapter_for(optimizer)
     saved_class = reader.attribute("optimizer", "class")
     if saved_class is None:
@@ -53,7 +53,10 @@ def optimizer_state(reader: Reader, optimizer: torch.optim.Optimizer, rank: int)
         for key in reader.names(node):
             entry[key] = reader.tensor(fmt.state_name(index, key))
         state[index] = entry
-    adapter.load(state, param_groups, reader.decoded("optimizer", "attributes", default={}))
+    tensors = {name: reader.tensor(name) for name in adapter.tensors_to_read(rank)
+               if reader.has(name)}
+    adapter.load(state, param_groups, reader.decoded("optimizer", "attributes", default={}),
+                 tensors)
 
 
 def extra_values(reader: Reader, rank: int) -> Dict[str, Any]:
@@ -68,7 +71,7 @@ def extra_values(reader: Reader, rank: int) -> Dict[str, Any]:
 
 
 def load_into(reader: Reader, rank: int, model: Optional[torch.nn.Module],
-              optimizer: Optional[torch.optim.Optimizer]) -> Dict[str, Any]:
+              optimizer: Optional[Checkpointable]) -> Dict[str, Any]:
     model = fmt.unwrap_model(model)
     if model is not None:
         model_state(reader, model)

@@ -10,7 +10,7 @@ import torch
 
 from . import format as fmt
 from . import values
-from .optimizers import adapter_for, assign_writers
+from .optimizers import Checkpointable, adapter_for, assign_writers
 
 
 @dataclass
@@ -90,12 +90,13 @@ def add_metadata(snap: Snapshot, rank: int, size: int, step: int) -> None:
 
 
 def take(rank: int, size: int, model: Optional[torch.nn.Module] = None,
-         optimizer: Optional[torch.optim.Optimizer] = None,
+         optimizer: Optional[Checkpointable] = None,
          extra: Optional[Dict[str, Any]] = None) -> Snapshot:
     """This rank's share of the checkpoint of ``model``, ``optimizer`` and ``extra``.
 
-    Model entries are replicated, so the ranks split them by bytes; optimizer state follows the
-    optimizer's own ownership; ``extra`` is saved per rank.
+    Model entries are replicated, so the ranks split them by bytes; optimizer state (and the
+    parameter values of a DistributedOptimizer) follows the optimizer's own ownership; ``extra``
+    is saved per rank.
     """
     snap = Snapshot()
     model = fmt.unwrap_model(model)
@@ -107,6 +108,7 @@ def take(rank: int, size: int, model: Optional[torch.nn.Module] = None,
         attributes = adapter.attributes()
         add_optimizer(snap, adapter.state_to_write(rank, size), rank, adapter.kind,
                       adapter.optimizer_class, adapter.param_groups(), attributes)
+        snap.datasets += adapter.tensors_to_write(rank).items()
     add_extra(snap, extra, rank)
     add_metadata(snap, rank, size, _step_of(extra, attributes))
     return snap

@@ -11,6 +11,11 @@ the very first step, as locally) followed by every state entry (tensors, and Pyt
 float64). Steps by any number of trainers continue one state, and steps on one owner are
 serialized by the exclusive lock, so no update is lost and readers never see half of one.
 
+Every parameter of any rank's references has a global index: its position in the sorted
+``(owner, index)`` keys (:attr:`DistributedOptimizer.parameter_refs`). Checkpoints use it: each
+owner reads and replaces the values and state of the parameters it owns from its own window
+memory (:meth:`~DistributedOptimizer.owned_state`, :meth:`~DistributedOptimizer.load_owned`).
+
 Where the windows are in shared memory (all ranks on one node), a step under the same locks runs
 the optimizer directly on the owner's memory instead (``Win.Shared_query`` views of parameter,
 gradient and state): no copies at all. ``TENSORPLAY_HPC_RMA_DIRECT=0`` turns that off.
@@ -18,10 +23,13 @@ gradient and state): no copies at all. ``TENSORPLAY_HPC_RMA_DIRECT=0`` turns tha
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Iterable, List, Tuple, Type
+from contextlib import contextmanager
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Type
 
 import torch
 
+from tensorplay_hpc.comm import agree
+from tensorplay_hpc.comm.consistency import check_consistent
 from tensorplay_hpc.comm.dtypes import reduce_dtype
 from tensorplay_hpc.distributed import autograd
 from tensorplay_hpc.distributed.rma import RemoteRef, by_owner
@@ -54,21 +62,28 @@ class StateEntry:
     def signature(self) -> Tuple:
         return self.key, self.kind.__name__, self.spec[0], str(self.spec[1])
 
+    def mismatch(self, value: Any) -> Optional[str]:
+        """What ``value`` is instead of what this entry holds; ``None`` if it fits."""
+        if self.kind is torch.Tensor:
+            if (not isinstance(value, torch.Tensor) or tuple(value.shape) != self.spec[0]
+                    or value.dtype != self.spec[1]):
+                return (f"{_describe(value)}, not the {self.spec[1]} tensor of shape "
+                        f"{self.spec[0]} learned at construction")
+        elif not isinstance(value, _NUMBER_TYPES):
+            return f"{_describe(value)}, not a number"
+        return None
+
     def restore(self, buffer: torch.Tensor) -> Any:
         """The value for the optimizer from the fetched ``buffer``."""
         return buffer if self.kind is torch.Tensor else self.kind(buffer.item())
 
     def save(self, value: Any, buffer: torch.Tensor) -> torch.Tensor:
         """The tensor to write back for the optimizer's ``value`` (``buffer`` holds numbers)."""
+        problem = self.mismatch(value)
+        if problem is not None:
+            raise RuntimeError(f"state entry {self.key!r} became {problem}")
         if self.kind is torch.Tensor:
-            if (not isinstance(value, torch.Tensor) or tuple(value.shape) != self.spec[0]
-                    or value.dtype != self.spec[1]):
-                raise RuntimeError(f"state entry {self.key!r} became {_describe(value)}, not the "
-                                   f"{self.spec[1]} tensor of shape {self.spec[0]} learned at "
-                                   "construction")
             return value.detach().to("cpu").contiguous()
-        if not isinstance(value, _NUMBER_TYPES):
-            raise RuntimeError(f"state entry {self.key!r} became {_describe(value)}, not a number")
         buffer.fill_(value)
         return buffer
 
@@ -103,6 +118,11 @@ class DistributedOptimizer:
         params_rref: references to the parameters this rank will step.
         *args, **kwargs: passed to ``optimizer_class`` (every rank must get a configuration
             with the same state layout).
+
+    Raises:
+        ValueError: no references, references from several ``rma.share()`` calls, or (on every
+            rank) ranks whose configurations keep different state.
+        RuntimeError: on every rank, if the optimizer failed to run on a dummy parameter on any.
     """
 
     def __init__(self, optimizer_class: Type[torch.optim.Optimizer],
@@ -119,7 +139,10 @@ class DistributedOptimizer:
         communicator = self._shared.communicator
         mine = sorted({(ref.owner(), ref.index) for ref in self._refs})
         union = sorted({key for keys in communicator.allgather(mine) for key in keys})
-        entries = self._agree_on_entries(union, args, kwargs)
+        self._keys: List[ParamKey] = union  # a parameter's position is its global index
+        by_rank = [self._shared.refs_of(owner) for owner in range(self._shared.size)]
+        self._parameters = [by_rank[owner][index] for owner, index in union]
+        entries = self._agree_on_entries(args, kwargs)
         self._entries: Dict[ParamKey, List[StateEntry]] = {}
         self._offsets: Dict[ParamKey, List[int]] = {}  # flag, then one per entry
         layouts = [self._lay_out_state(owner, union, entries)
@@ -138,33 +161,25 @@ class DistributedOptimizer:
         self._optimizer = optimizer_class(list(self._proxies.values()), *args, **kwargs)
         communicator.Barrier()  # every owner's flags are cleared before anyone steps
 
-    def _agree_on_entries(self, union: List[ParamKey], args: tuple,
-                          kwargs: dict) -> Dict[Spec, List[StateEntry]]:
+    def _agree_on_entries(self, args: tuple, kwargs: dict) -> Dict[Spec, List[StateEntry]]:
         """The state entries per parameter shape and dtype, learned on every rank and checked
         to agree. Collective: a failure on any rank is raised on all."""
-        optimizer_class = self._optimizer_class
+        name = self._optimizer_class.__name__
+        communicator = self._shared.communicator
         entries: Dict[Spec, List[StateEntry]] = {}
+        error = None
         try:
-            for owner, index in union:
-                ref = self._shared.refs_of(owner)[index]
+            for ref in self._parameters:
                 spec = (tuple(ref.shape), ref.dtype)
                 if spec not in entries:
-                    entries[spec] = learn_state(optimizer_class, *spec, args, kwargs)
-            signature = sorted((spec[0], str(spec[1]), [e.signature() for e in found])
-                               for spec, found in entries.items())
-        except (RuntimeError, TypeError) as error:
-            signature = error
-        signatures = self._shared.communicator.allgather(signature)
-        if isinstance(signature, Exception):
-            raise signature
-        for other, theirs in enumerate(signatures):
-            if isinstance(theirs, Exception):
-                raise RuntimeError(f"DistributedOptimizer failed on rank {other}: {theirs}")
-            if theirs != signatures[0]:
-                raise ValueError(f"DistributedOptimizer: {optimizer_class.__name__} keeps "
-                                 f"different state on rank {other} than on rank 0 "
-                                 f"({theirs} vs {signatures[0]}); give every rank the same "
-                                 "configuration")
+                    entries[spec] = learn_state(self._optimizer_class, *spec, args, kwargs)
+        except (RuntimeError, TypeError) as failure:
+            error = failure
+        agree(communicator, error, f"constructing DistributedOptimizer({name})")
+        check_consistent(communicator, f"DistributedOptimizer: the state {name} keeps (give every "
+                         "rank the same configuration)",
+                         sorted((f"{spec[1]} {spec[0]}", [e.signature() for e in found])
+                                for spec, found in entries.items()))
         return entries
 
     def _lay_out_state(self, owner: int, union: List[ParamKey],
@@ -186,6 +201,124 @@ class DistributedOptimizer:
     def in_place(self) -> bool:
         """Whether steps run on the owners' shared memory directly instead of Get and Put."""
         return self._direct
+
+    @property
+    def optimizer_class(self) -> Type[torch.optim.Optimizer]:
+        """The ``torch.optim`` class applied to the parameters."""
+        return self._optimizer_class
+
+    @property
+    def hyperparameters(self) -> Dict[str, Any]:
+        """The optimizer's hyperparameters (its one param group without ``params``); fixed at
+        construction."""
+        return {k: v for k, v in self._optimizer.param_groups[0].items() if k != "params"}
+
+    @property
+    def parameter_refs(self) -> Tuple[RemoteRef, ...]:
+        """References to every parameter of any rank's references, sorted by ``(owner(),
+        index)``: the same on every rank. A parameter's position is its global index."""
+        return tuple(self._parameters)
+
+    def owned_indices(self) -> List[int]:
+        """The global indices of the parameters this rank owns."""
+        rank = self._shared.rank
+        return [i for i, (owner, _) in enumerate(self._keys) if owner == rank]
+
+    def owned_parameters(self) -> Dict[int, torch.Tensor]:
+        """Copies of the values of the parameters this rank owns, by global index, read from its
+        window memory under a shared lock. Not collective."""
+        with self._own_epoch(self._shared.values):
+            return {i: self._value_view(i).clone() for i in self.owned_indices()}
+
+    def owned_state(self) -> Dict[int, Dict[str, Any]]:
+        """Copies of the optimizer state of the parameters this rank owns, by global index
+        (parameters not stepped yet have none), read from its window memory under a shared
+        lock. Not collective."""
+        state = {}
+        with self._own_epoch(self._state):
+            for i in self.owned_indices():
+                key = self._keys[i]
+                flag, *views = self._state_views(key)
+                if flag.item():
+                    state[i] = {e.key: e.restore(view.clone())
+                                for e, view in zip(self._entries[key], views)}
+        return state
+
+    def load_owned(self, parameters: Dict[int, torch.Tensor],
+                   state: Dict[int, Dict[str, Any]]) -> None:
+        """Replace the values and optimizer state of the parameters this rank owns, by global
+        index, in its window memory under exclusive locks; owned parameters absent from
+        ``state`` have none afterwards (their next step starts it). Everything is checked before
+        anything is written. Not collective; no trainer should step meanwhile.
+
+        Raises:
+            ValueError: naming the rank and the parameter, for a missing or foreign index, a value
+                or state entry of another shape or dtype, or other state keys.
+        """
+        rank, owned = self._shared.rank, self.owned_indices()
+        foreign = sorted((set(parameters) | set(state)) - set(owned))
+        missing = [i for i in owned if i not in parameters]
+        if foreign or missing:
+            raise ValueError(f"DistributedOptimizer.load_owned on rank {rank}: "
+                             + (f"parameters {foreign} are not this rank's" if foreign
+                                else f"no value given for parameters {missing}"))
+        for i in owned:
+            self._check_loadable(i, parameters[i], state.get(i))
+        held, saved = [], []
+        with self._own_epoch(self._shared.values, exclusive=True), \
+                self._own_epoch(self._state, exclusive=True):
+            for i in owned:
+                self._value_view(i).copy_(parameters[i])
+                flag, *views = self._state_views(self._keys[i])
+                if i in state:
+                    held.append([flag, *views])
+                    saved.append([e.save(state[i][e.key], view)
+                                  for e, view in zip(self._entries[self._keys[i]], views)])
+                else:
+                    flag.fill_(0)
+            self._store_in_place(held, saved)
+
+    def _check_loadable(self, index: int, value: torch.Tensor,
+                        state: Optional[Dict[str, Any]]) -> None:
+        """Raise ValueError unless ``value`` and ``state`` fit parameter ``index`` (global)."""
+        key, ref = self._keys[index], self._parameters[index]
+        where = (f"DistributedOptimizer.load_owned on rank {self._shared.rank}: parameter "
+                 f"{index} (tensor {key[1]} of rank {key[0]})")
+        if (not isinstance(value, torch.Tensor) or value.shape != ref.shape
+                or value.dtype != ref.dtype):
+            raise ValueError(f"{where} is a {ref.dtype} tensor of shape {tuple(ref.shape)}; "
+                             f"the value given is {_describe(value)}")
+        if state is None:
+            return
+        entries = self._entries[key]
+        expected = [e.key for e in entries]
+        if sorted(state) != sorted(expected):
+            raise ValueError(f"{where}: {self._optimizer_class.__name__} keeps state "
+                             f"{sorted(expected)}, the state given has {sorted(state)}")
+        for entry in entries:
+            problem = entry.mismatch(state[entry.key])
+            if problem is not None:
+                raise ValueError(f"{where}: state entry {entry.key!r} given is {problem}")
+
+    @contextmanager
+    def _own_epoch(self, window: Window, exclusive: bool = False) -> Iterator[None]:
+        """An epoch on this rank's own part of ``window``, in which its memory is read and
+        written directly."""
+        with window.locked(self._shared.rank, exclusive):
+            window.sync()
+            yield
+            window.sync()
+
+    def _value_view(self, index: int) -> torch.Tensor:
+        """The window memory of parameter ``index`` (global), which this rank owns."""
+        ref = self._parameters[index]
+        return self._shared.values.view(self._shared.value_offset(ref), ref.shape, ref.dtype)
+
+    def _state_views(self, key: ParamKey) -> List[torch.Tensor]:
+        """Views of the flag and state entries of parameter ``key`` in its owner's memory (this
+        rank's, or any in a shared-memory window)."""
+        return [self._state.view(offset, *spec, rank=key[0])
+                for offset, spec in zip(self._offsets[key], self._specs(key))]
 
     def _buffers(self, ref: RemoteRef) -> List[torch.Tensor]:
         """Local tensors to fetch ``ref``'s flag and state entries into."""
@@ -245,13 +378,11 @@ class DistributedOptimizer:
         shared = self._shared
         grads, held = [], []
         for ref in refs:
-            key = (owner, ref.index)
             self._proxies[ref].data = shared.values.view(shared.value_offset(ref), ref.shape,
                                                          ref.dtype, rank=owner)
             grads.append(shared.gradients.view(shared.gradient_offset(ref, shared.rank),
                                                ref.shape, reduce_dtype(ref.dtype), rank=owner))
-            held.append([self._state.view(offset, *spec, rank=owner)
-                         for offset, spec in zip(self._offsets[key], self._specs(key))])
+            held.append(self._state_views((owner, ref.index)))
         return grads, held
 
     def _fetch(self, owner: int, refs: List[RemoteRef]) -> Tuple[List[torch.Tensor], Held]:
