@@ -96,6 +96,9 @@ def test_settings_are_checked():
         TrainConfig(width=0)
     with pytest.raises(ValueError, match="the checkpoint has --width 64, this run --width 128"):
         TrainConfig().check_resumable({"layers": 2, "width": 64, "heads": 4, "context": 64})
+    with pytest.raises(ValueError, match="--batch-size 6 is not a multiple of the 4 ranks"):
+        TrainConfig(batch_size=6).check_ranks(4)
+    TrainConfig(batch_size=8).check_ranks(4)
     assert TrainConfig(run_dir="x").checkpoint_dir == Path("x/checkpoints")
 
 

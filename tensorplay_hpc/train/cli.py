@@ -82,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
     world = MPI.COMM_WORLD
     try:
         config = config_from(args)
+        config.check_ranks(world.Get_size())
     except ValueError as error:
         if world.Get_rank() == 0:
             print(f"tensorplay-hpc train: error: {error}", file=sys.stderr)

@@ -58,6 +58,12 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must not be negative, "
                                  f"got {getattr(self, name)}")
 
+    def check_ranks(self, ranks: int) -> None:
+        """Raise ``ValueError`` when the global batch does not split evenly over ``ranks``."""
+        if self.batch_size % ranks:
+            raise ValueError(f"--batch-size {self.batch_size} is not a multiple of the {ranks} "
+                             "ranks")
+
     def describe(self) -> Dict[str, Any]:
         """The settings as plain values, for a checkpoint's ``extra``."""
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()
