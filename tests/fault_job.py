@@ -7,7 +7,6 @@ import sys
 import time
 
 import torch
-from mpi4py import MPI
 
 from tensorplay_hpc import comm
 from tensorplay_hpc.comm.abort import abort_on_exception

@@ -19,7 +19,7 @@ def _param(value, dtype=torch.float32, grad=True):
 
 def _averaged_steps(averager, world, steps=20):
     """The steps at which ``averager`` averaged a parameter reset to the world rank each step."""
-    rank, size = world.Get_rank(), world.Get_size()
+    rank = world.Get_rank()
     p = _param(rank)
     averaged = {}
     for step in range(steps):

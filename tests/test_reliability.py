@@ -5,7 +5,6 @@ import time
 
 import pytest
 import torch
-from mpi4py import MPI
 
 from launch import mpiexec, only_in_single_rank_run
 from tensorplay_hpc import comm
@@ -70,3 +69,26 @@ def test_exception_on_one_rank_aborts_the_job():
     assert time.monotonic() - start < 30
     assert "[rank 1] uncaught exception, aborting the job" in run.stderr
     assert "deliberate failure on the last rank" in run.stderr
+
+
+@pytest.mark.mpi(min_size=2)
+def test_optimizers_and_averagers_built_differently_fail_on_every_rank(world):
+    from tensorplay_hpc.distributed.algorithms.model_averaging import averagers
+    from tensorplay_hpc.distributed.algorithms.model_averaging.hierarchical_model_averager import (
+        HierarchicalModelAverager)
+    from tensorplay_hpc.distributed.optim import ZeroRedundancyOptimizer
+    odd = world.Get_rank() == 1
+    with pytest.raises(ValueError, match=r"ZeroRedundancyOptimizer: ranks \[1\].*parameter 0"):
+        ZeroRedundancyOptimizer([torch.nn.Parameter(torch.zeros(3 if odd else 2))],
+                                torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match=r"ZeroRedundancyOptimizer: ranks \[1\].*lr"):
+        ZeroRedundancyOptimizer([torch.nn.Parameter(torch.zeros(2))], torch.optim.SGD,
+                                lr=0.2 if odd else 0.1)
+    with pytest.raises(ValueError, match=r"ZeroRedundancyOptimizer: ranks \[1\].*Adam"):
+        ZeroRedundancyOptimizer([torch.nn.Parameter(torch.zeros(2))],
+                                torch.optim.Adam if odd else torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match=r"PeriodicModelAverager: ranks \[1\].*period"):
+        averagers.PeriodicModelAverager(period=3 if odd else 2)
+    size = world.Get_size()
+    with pytest.raises(ValueError, match=r"HierarchicalModelAverager: ranks \[1\]"):
+        HierarchicalModelAverager({2: 1, 4: size} if odd else {3: 1, 4: size})

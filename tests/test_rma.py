@@ -95,7 +95,7 @@ def test_progress_thread_and_poll(world):
 
 
 def test_backward_sends_each_trainers_gradients_to_its_own_slot(world, chunking):
-    rank, size = world.Get_rank(), world.Get_size()
+    rank = world.Get_rank()
     mine = [torch.arange(3, dtype=torch.float32) + rank, torch.ones(2, dtype=torch.float16)]
     with rma.share(mine) as shared:
         world.Barrier()

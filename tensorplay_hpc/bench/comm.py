@@ -28,7 +28,7 @@ def bus_factor(case: str, ranks: int) -> float:
 
 def _cases(group: comm.ProcessGroup, raw: MPI.Intracomm, nbytes: int):
     """For each collective: (name, ours, raw mpi4py, gloo), each a no-argument callable."""
-    size, rank = group.size, group.rank
+    size = group.size
     n = nbytes // 4
     part = n // size
     t = torch.ones(n)

@@ -18,13 +18,14 @@ from tensorplay_hpc.comm import ProcessGroup, agree
 from . import restore, snapshot, writer
 from .files import checkpoints, latest
 from .format import CheckpointError
+from .optimizers import Checkpointable
 from .reader import Reader
 
 __all__ = ["CheckpointError", "Reader", "checkpoints", "latest", "load", "save"]
 
 
 def save(path: str, model: Optional[torch.nn.Module] = None,
-         optimizer: Optional[torch.optim.Optimizer] = None, extra: Optional[Dict[str, Any]] = None,
+         optimizer: Optional[Checkpointable] = None, extra: Optional[Dict[str, Any]] = None,
          process_group: Optional[MPI.Intracomm] = None, keep: Optional[int] = None) -> str:
     """Save a checkpoint to ``path``. Collective over ``process_group`` (default world).
 
@@ -54,7 +55,7 @@ def save(path: str, model: Optional[torch.nn.Module] = None,
 
 
 def load(path: str, model: Optional[torch.nn.Module] = None,
-         optimizer: Optional[torch.optim.Optimizer] = None,
+         optimizer: Optional[Checkpointable] = None,
          process_group: Optional[MPI.Intracomm] = None) -> Dict[str, Any]:
     """Load a checkpoint saved at any world size. Collective over ``process_group``.
 

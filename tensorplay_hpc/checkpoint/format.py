@@ -7,6 +7,7 @@ One HDF5 file per checkpoint::
     /model/<name>             each parameter and buffer of model.state_dict(), by name
     /optimizer                attrs: class, kind, param_groups (JSON), and kind-specific values
     /optimizer/state/<i>/<k>  optimizer state of global parameter index i, key k
+    /optimizer/parameters/<i> a DistributedOptimizer's parameter values, written by their owners
     /extra/rank<r>/<k>        the user's extra values saved by rank r (tensors as datasets,
                               everything else in the group's "values" attribute)
 

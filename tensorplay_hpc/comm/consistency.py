@@ -43,17 +43,15 @@ def check_consistent(comm: MPI.Intracomm, what: str, items: Sequence[Item]) -> N
     differing = [r for r, d in enumerate(digests) if d != digests[0]]
     rank = differing[0]
     theirs = everyone[rank]
-    for index in range(max(len(reference), len(theirs))):
-        mine = reference[index] if index < len(reference) else None
-        other = theirs[index] if index < len(theirs) else None
-        if mine != other:
-            break
-    if len(reference) != len(theirs):
-        detail = f"rank 0 has {len(reference)} entries, rank {rank} has {len(theirs)}"
-    else:
-        detail = f"first difference at {index}: rank 0 has {mine!r}, rank {rank} has {other!r}"
-    raise ValueError(f"{what}: ranks {differing} differ from rank 0 ({len(differing)} of "
-                     f"{comm.Get_size()} ranks disagree); {detail}")
+    index = next(i for i in range(max(len(reference), len(theirs)) + 1)
+                 if i >= min(len(reference), len(theirs)) or reference[i] != theirs[i])
+    def entry(found: List[Item]) -> str:
+        return repr(found[index]) if index < len(found) else "nothing"
+    raise ValueError(
+        f"{what}: ranks {differing} differ from rank 0 ({len(differing)} of {comm.Get_size()} "
+        f"ranks disagree); rank {rank} has {len(theirs)} entries against rank 0's "
+        f"{len(reference)}, the first difference is at position {index}: rank 0 has "
+        f"{entry(reference)}, rank {rank} has {entry(theirs)}")
 
 
 def check_collective(comm: MPI.Intracomm, collective: str, **arguments: Any) -> None:

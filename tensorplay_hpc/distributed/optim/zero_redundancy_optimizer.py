@@ -206,6 +206,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.params_by_index: List[torch.Tensor] = list(
             chain.from_iterable(g["params"] for g in self.param_groups))
         self._index_of = {param: index for index, param in enumerate(self.params_by_index)}
+        comm.check_consistent(self._group.comm, "ZeroRedundancyOptimizer", [
+            ("optimizer", f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"),
+            ("groups", [sorted((k, repr(v)) for k, v in g.items() if k != "params")
+                        for g in self.param_groups]),
+            *comm.tensor_signature((f"parameter {i}" for i in range(len(self.params_by_index))),
+                                   self.params_by_index)])
         self._trainable = self._trainable_mask()
         self._buffers: List[ShardBuffer] = []
         self._consolidated: Optional[Dict[int, Dict[Any, Any]]] = None

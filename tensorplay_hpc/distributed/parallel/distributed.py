@@ -9,9 +9,8 @@ or a ``torch.futures.Future`` of it; see
 """
 from __future__ import annotations
 
-import hashlib
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional
 
 import torch
 from mpi4py import MPI
@@ -21,38 +20,6 @@ from tensorplay_hpc import comm
 from .reducer import GradBucket, Reducer
 
 __all__ = ["DistributedDataParallel"]
-
-Signature = Tuple[str, Tuple[int, ...], str]
-
-
-def _describe(entry: Optional[Signature]) -> str:
-    if entry is None:
-        return "nothing"
-    name, shape, dtype = entry
-    return f"{name!r} of shape {tuple(shape)} and {dtype}"
-
-
-def check_same_model(signature: Sequence[Signature], communicator: MPI.Intracomm) -> None:
-    """Raise the same ``ValueError`` on every rank unless all ranks have tensors of the same
-    shapes and dtypes. Collective: one allgather of a 16-byte digest (plus an allgather of
-    the signatures to name the difference, only when the digests differ)."""
-    digest = hashlib.blake2b(repr([entry[1:] for entry in signature]).encode(),
-                             digest_size=16).digest()
-    if len(set(communicator.allgather(digest))) == 1:
-        return
-    signatures = communicator.allgather(list(signature))
-    reference = signatures[0]
-    for rank, other in enumerate(signatures):
-        for index in range(max(len(reference), len(other))):
-            mine = other[index] if index < len(other) else None
-            theirs = reference[index] if index < len(reference) else None
-            if mine is None or theirs is None or mine[1:] != theirs[1:]:
-                raise ValueError(
-                    f"DistributedDataParallel: the model on rank {rank} differs from rank 0's "
-                    f"({len(other)} against {len(reference)} parameters and buffers); the first "
-                    f"difference is at position {index}: {_describe(mine)} on rank {rank}, "
-                    f"{_describe(theirs)} on rank 0 (raised on rank {communicator.Get_rank()})")
-
 
 class DistributedDataParallel(torch.nn.Module):
     """Data parallelism over MPI, PyTorch's ``DistributedDataParallel`` for mpi4py groups.
@@ -85,8 +52,9 @@ class DistributedDataParallel(torch.nn.Module):
         self._group = comm.ProcessGroup(self.process_group)
         named_params = list(module.named_parameters())
         named_buffers = list(module.named_buffers())
-        check_same_model([(name, tuple(t.shape), str(t.dtype))
-                          for name, t in named_params + named_buffers], self._group.comm)
+        named = named_params + named_buffers
+        comm.check_consistent(self._group.comm, "DistributedDataParallel: the model",
+                              comm.tensor_signature([n for n, _ in named], [t for _, t in named]))
         self._buffers_to_sync = [b for _, b in named_buffers]
         with torch.no_grad():
             comm.broadcast_coalesced([p.detach() for _, p in named_params] + self._buffers_to_sync,

@@ -44,6 +44,12 @@ class ModelAverager(ABC):
         """The private duplicate, or ``MPI.COMM_NULL`` on a rank outside the group."""
         return self._group.comm if self._group is not None else MPI.COMM_NULL
 
+    def _check_consistent(self, **settings: object) -> None:
+        """Check that every rank of the group built this averager alike. Collective."""
+        if self._group is not None:
+            comm.check_consistent(self._group.comm, type(self).__name__,
+                                  sorted((k, repr(v)) for k, v in settings.items()))
+
     @abstractmethod
     def average_parameters(self, params: Params) -> None:
         """Average ``params`` if this step calls for it, then advance :attr:`step`."""
@@ -84,6 +90,7 @@ class PeriodicModelAverager(ModelAverager):
         super().__init__(process_group)
         self.period = period
         self.warmup_steps = warmup_steps
+        self._check_consistent(period=period, warmup_steps=warmup_steps)
 
     def average_parameters(self, params: Params) -> None:
         """Average the parameters (or optimizer param groups) that have gradients, if this step

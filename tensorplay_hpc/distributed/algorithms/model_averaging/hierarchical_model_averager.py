@@ -67,6 +67,8 @@ class HierarchicalModelAverager(ModelAverager):
         self.period_process_group_dict: "OrderedDict[int, MPI.Comm]" = OrderedDict()
         if self._group is None:   # outside the group: counts steps only
             return
+        self._check_consistent(period_group_size_dict=list(period_group_size_dict.items()),
+                               warmup_steps=warmup_steps)
         total = self._group.size
         if sizes[-1] != total:
             raise ValueError(f"The last value in arg ``period_group_size_dict`` ({sizes[-1]}) "
