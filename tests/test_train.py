@@ -133,14 +133,14 @@ def test_signal_checkpoint_and_resume_reproduce_an_uninterrupted_run(shared_dir,
 @pytest.mark.skipif(not single_rank(), reason=ONLY_UNDER_ONE_RANK)
 @pytest.mark.timeout(900)
 def test_program_on_two_ranks_stops_on_sigusr1_and_resumes_exactly(tmp_path):
-    options = ["--steps", "150", "--checkpoint-every", "10", "--eval-every", "50"]
+    options = ["--steps", "80", "--checkpoint-every", "5", "--eval-every", "40"]
     whole = subprocess.run(train_command(2, *options, "--run-dir", str(tmp_path / "whole")),
                            cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
                            timeout=600)
     assert whole.returncode == 0, whole.stdout + whole.stderr
     expected = losses(tmp_path / "whole")
-    assert len(expected) == 150 and float(expected[-1]) < float(expected[0]) - 1.0
-    for line in ("done: 150 steps", "throughput:", "metrics: ", "plot: ", "checkpoints: "):
+    assert len(expected) == 80 and float(expected[-1]) < float(expected[0]) - 1.0
+    for line in ("done: 80 steps", "throughput:", "metrics: ", "plot: ", "checkpoints: "):
         assert line in whole.stdout
     assert (tmp_path / "whole" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -151,7 +151,7 @@ def test_program_on_two_ranks_stops_on_sigusr1_and_resumes_exactly(tmp_path):
     seen = []
     for line in job.stdout:
         seen.append(line)
-        if "checkpoint at step 10 " in line:
+        if "checkpoint at step 5 " in line:
             job.send_signal(signal.SIGUSR1)  # to mpiexec, which forwards it to both ranks
             break
     seen.extend(job.stdout)
@@ -159,7 +159,7 @@ def test_program_on_two_ranks_stops_on_sigusr1_and_resumes_exactly(tmp_path):
     output = "".join(seen)
     assert "SIGUSR1: stopping at step" in output and "(preempted)" in output
     stopped_at = len(losses(run_dir))
-    assert 10 < stopped_at < 150
+    assert 5 < stopped_at < 80
     assert (run_dir / "checkpoints" / f"step-{stopped_at:07d}.h5").exists()
 
     resumed = subprocess.run(train_command(2, *options, "--run-dir", str(run_dir), "--resume"),
