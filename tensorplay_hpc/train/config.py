@@ -25,14 +25,14 @@ class TrainConfig:
     width: int = 128
     heads: int = 4
     context: int = 64
-    steps: int = 400
+    steps: int = 1600
     average_period: int = 4
     warmup_steps: int = 50
-    eval_every: int = 50
+    eval_every: int = 100
     eval_batches: int = 4
     run_dir: Path = Path("run")
     checkpoint_dir: Optional[Path] = None
-    checkpoint_every: int = 100
+    checkpoint_every: int = 200
     keep: int = 3
     resume: bool = False
     device: str = "cpu"
