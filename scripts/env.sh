@@ -1,3 +1,4 @@
+# shellcheck shell=bash disable=SC2034  # sourced: MPIEXEC is used by the scripts that source it
 # Sourced by the scripts here: the virtual environment and the mpiexec flags for this machine.
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 export PATH="$root/.venv/bin:$PATH"

@@ -1,32 +1,43 @@
-"""Starting separate MPI jobs from a test: a clean environment and a bounded run."""
+"""Starting separate MPI jobs (and Slurm jobs) from a test: a clean environment, a bounded run.
+
+Such tests start jobs of their own size, so they run only in the 1-rank pass of the suite.
+"""
 import os
 import subprocess
 import sys
-from typing import List, Optional
+from pathlib import Path
+from typing import Dict, List, Optional
 
 import pytest
 from mpi4py import MPI
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = Path(__file__).resolve().parents[1]
+MPIEXEC = ["mpiexec", "--oversubscribe", "--mca", "mpi_yield_when_idle", "1"]
+ONLY_UNDER_ONE_RANK = "launches its own jobs: runs only when the tests run on one rank"
 
-only_in_single_rank_run = pytest.mark.skipif(
-    MPI.COMM_WORLD.Get_size() > 1, reason="starts its own MPI jobs: run once, in the 1-rank pass")
+
+def single_rank() -> bool:
+    """Whether this test process is the only rank (nested launches run only then)."""
+    return MPI.COMM_WORLD.Get_size() == 1
 
 
-def clean_environment(env: Optional[dict] = None) -> dict:
-    """``env`` (default: this process's) without the variables that tie a process to the MPI
-    job it runs in, so that a new mpiexec starts a job of its own."""
-    return {k: v for k, v in (os.environ if env is None else env).items()
-            if not k.startswith(("OMPI_", "PMIX_", "OPAL_", "ORTE_", "HYDRA_", "PMI_"))}
+only_in_single_rank_run = pytest.mark.skipif(not single_rank(), reason=ONLY_UNDER_ONE_RANK)
+
+
+def clean_env(base: Optional[Dict[str, str]] = None, **extra: str) -> Dict[str, str]:
+    """``base`` (default: this process's environment) without the variables of the MPI or Slurm
+    job running the tests, so that a nested ``mpiexec`` or ``srun`` starts a job of its own."""
+    env = {k: v for k, v in (os.environ if base is None else base).items()
+           if not k.startswith(("OMPI_", "PMIX_", "OPAL_", "ORTE_", "HYDRA_", "PMI_", "SLURM_"))}
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               PYTHONUNBUFFERED="1", **extra)
+    return env
 
 
 def mpiexec(ranks: int, args: List[str], timeout: float = 300, env: Optional[dict] = None,
             **options) -> subprocess.CompletedProcess:
     """Run ``python ARGS`` on ``ranks`` ranks; the output is captured, the run bounded.
     ``options`` go to ``subprocess.run``."""
-    command = ["mpiexec", "--oversubscribe", "--mca", "mpi_yield_when_idle", "1",
-               "-n", str(ranks), sys.executable, *args]
-    env = clean_environment(env)
-    env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
-    return subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True,
+    command = [*MPIEXEC, "-n", str(ranks), sys.executable, *args]
+    return subprocess.run(command, env=clean_env(env), cwd=REPO, capture_output=True, text=True,
                           timeout=timeout, **options)

@@ -13,8 +13,8 @@ import pytest
 
 from slurm_cluster import SlurmCluster, SlurmUnavailable
 from tensorplay_hpc.train.preemption import EXIT_PREEMPTED
-from train_launch import (ONLY_UNDER_ONE_RANK, REPO, TINY, clean_env, losses, restarts,
-                          single_rank, train_command)
+from launch import ONLY_UNDER_ONE_RANK, REPO, clean_env, single_rank
+from train_launch import TINY, losses, restarts, train_command
 
 nested = pytest.mark.skipif(not single_rank(), reason=ONLY_UNDER_ONE_RANK)
 

@@ -1,22 +1,25 @@
 """Tests of ``tensorplay-hpc train``: data, model, history, and resumes that reproduce an
 uninterrupted run exactly; in process at every world size, and as a program under mpiexec."""
+import os
 import shutil
 import signal
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from mpi4py import MPI
 
+from tensorplay_hpc import checkpoint
 from tensorplay_hpc.train.config import TrainConfig
 from tensorplay_hpc.train.data import VALIDATION_EVERY, Corpus, batch_for_rank, stdlib_files
 from tensorplay_hpc.train.history import History
 from tensorplay_hpc.train.loop import EXIT_PREEMPTED, train
 from tensorplay_hpc.train.preemption import Preemption
-from train_launch import (ONLY_UNDER_ONE_RANK, REPO, clean_env, losses, restarts, single_rank,
-                          train_command)
+from launch import ONLY_UNDER_ONE_RANK, REPO, clean_env, single_rank
+from train_launch import losses, restarts, train_command
 
 WORLD = MPI.COMM_WORLD
 
@@ -182,3 +185,37 @@ def test_console_script_and_module_show_the_train_options():
         assert result.returncode == 0, result.stderr
         for option in ("--optimizer", "--inner", "--checkpoint-every", "--resume", "--device"):
             assert option in result.stdout
+
+
+@pytest.mark.skipif(not single_rank(), reason=ONLY_UNDER_ONE_RANK)
+@pytest.mark.timeout(900)
+def test_rank_killed_mid_training_ends_the_job_and_resume_loses_nothing(tmp_path):
+    options = ["--steps", "60", "--checkpoint-every", "10", "--eval-every", "30"]
+    whole = subprocess.run(train_command(2, *options, "--run-dir", str(tmp_path / "whole")),
+                           cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
+                           timeout=600)
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+    expected = losses(tmp_path / "whole")
+
+    run_dir = tmp_path / "killed"
+    job = subprocess.Popen(train_command(2, *options, "--run-dir", str(run_dir)), cwd=tmp_path,
+                           env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)
+    for line in job.stdout:
+        if "checkpoint at step 20 " in line:
+            break
+    ranks = subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True, text=True).stdout
+    victim = int(ranks.split()[-1])
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.monotonic()
+    job.stdout.read()
+    assert job.wait(timeout=120) != 0
+    assert time.monotonic() - killed_at < 30
+    newest = checkpoint.latest(str(run_dir / "checkpoints"))
+    assert newest is not None and int(newest[-10:-3]) >= 20
+
+    resumed = subprocess.run(train_command(2, *options, "--run-dir", str(run_dir), "--resume"),
+                             cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
+                             timeout=600)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert losses(run_dir) == expected      # every step after the checkpoint redone exactly

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import traceback
 from pathlib import Path
 
 from .config import DEVICES, INNER_OPTIMIZERS, OPTIMIZERS, TrainConfig
@@ -61,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     option(machine, "--device", "cuda: one GPU per node-local rank", choices=DEVICES)
     option(machine, "--threads", "torch threads per rank, 0 for the node's cores over its ranks",
            type=int)
+    option(machine, "--collective-timeout", "seconds a collective may wait for the other ranks "
+           "before the job is aborted with a report of the missing ranks, 0 for no watchdog",
+           type=float)
     machine.add_argument("--no-progress", dest="progress", action="store_false",
                          help="no progress bar, only event lines (for batch logs)")
 
@@ -73,11 +75,14 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``train`` on every rank; return the exit status. A failure on one rank prints its
-    traceback with the rank and aborts the whole job, so no rank waits forever."""
+    traceback with the rank and aborts the whole job, and a collective stalled past
+    ``--collective-timeout`` is reported and aborted, so no rank waits forever."""
     # Catch the signals before the slow setup, so one sent during it still counts, and until the
     # process ends, so one sent just after the last step cannot kill a finished rank.
     preemption = Preemption().install()
     from mpi4py import MPI
+
+    from tensorplay_hpc.comm import abort_on_exception, watchdog
 
     world = MPI.COMM_WORLD
     try:
@@ -87,15 +92,9 @@ def run(args: argparse.Namespace) -> int:
         if world.Get_rank() == 0:
             print(f"tensorplay-hpc train: error: {error}", file=sys.stderr)
         return 2
-    try:
-        from .loop import train
-        return train(config, world, preemption).exit_code
-    except BaseException as error:  # noqa: B036 - any failure must take the whole job down
-        if world.Get_size() == 1 or isinstance(error, SystemExit):
-            raise
-        sys.stderr.write(f"tensorplay-hpc train: rank {world.Get_rank()} failed:\n"
-                         f"{traceback.format_exc()}")
-        sys.stderr.flush()
-        world.Abort(1)
-        return 1
-
+    if world.Get_size() > 1:
+        abort_on_exception()
+    if config.collective_timeout:
+        watchdog.enable(config.collective_timeout)
+    from .loop import train
+    return train(config, world, preemption).exit_code

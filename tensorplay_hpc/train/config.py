@@ -38,6 +38,7 @@ class TrainConfig:
     device: str = "cpu"
     seed: int = 0
     threads: int = 0
+    collective_timeout: float = 600.0
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -53,7 +54,8 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, "
                                  f"got {getattr(self, name)}")
-        for name in ("steps", "warmup_steps", "eval_every", "checkpoint_every", "keep", "threads"):
+        for name in ("steps", "warmup_steps", "eval_every", "checkpoint_every", "keep", "threads",
+                     "collective_timeout"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must not be negative, "
                                  f"got {getattr(self, name)}")
