@@ -133,14 +133,20 @@ def test_signal_checkpoint_and_resume_reproduce_an_uninterrupted_run(shared_dir,
 
 # -- the program under mpiexec --------------------------------------------------------------------
 
+def run_to_end(tmp_path: Path, options, run_dir: Path, *more: str) -> subprocess.CompletedProcess:
+    """Run the program on 2 ranks to its end; it must succeed."""
+    result = subprocess.run(train_command(2, *options, "--run-dir", str(run_dir), *more),
+                            cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
 @pytest.mark.skipif(not single_rank(), reason=ONLY_UNDER_ONE_RANK)
 @pytest.mark.timeout(900)
 def test_program_on_two_ranks_stops_on_sigusr1_and_resumes_exactly(tmp_path):
     options = ["--steps", "80", "--checkpoint-every", "5", "--eval-every", "40"]
-    whole = subprocess.run(train_command(2, *options, "--run-dir", str(tmp_path / "whole")),
-                           cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
-                           timeout=600)
-    assert whole.returncode == 0, whole.stdout + whole.stderr
+    whole = run_to_end(tmp_path, options, tmp_path / "whole")
     expected = losses(tmp_path / "whole")
     assert len(expected) == 80 and float(expected[-1]) < float(expected[0]) - 1.0
     for line in ("done: 80 steps", "throughput:", "metrics: ", "plot: ", "checkpoints: "):
@@ -165,10 +171,7 @@ def test_program_on_two_ranks_stops_on_sigusr1_and_resumes_exactly(tmp_path):
     assert 5 < stopped_at < 80
     assert (run_dir / "checkpoints" / f"step-{stopped_at:07d}.h5").exists()
 
-    resumed = subprocess.run(train_command(2, *options, "--run-dir", str(run_dir), "--resume"),
-                             cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
-                             timeout=600)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    resumed = run_to_end(tmp_path, options, run_dir, "--resume")
     assert f"at step {stopped_at}" in resumed.stdout
     assert losses(run_dir) == expected
     assert restarts(run_dir) == [stopped_at + 1]
@@ -191,10 +194,7 @@ def test_console_script_and_module_show_the_train_options():
 @pytest.mark.timeout(900)
 def test_rank_killed_mid_training_ends_the_job_and_resume_loses_nothing(tmp_path):
     options = ["--steps", "60", "--checkpoint-every", "10", "--eval-every", "30"]
-    whole = subprocess.run(train_command(2, *options, "--run-dir", str(tmp_path / "whole")),
-                           cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
-                           timeout=600)
-    assert whole.returncode == 0, whole.stdout + whole.stderr
+    run_to_end(tmp_path, options, tmp_path / "whole")
     expected = losses(tmp_path / "whole")
 
     run_dir = tmp_path / "killed"
@@ -214,8 +214,5 @@ def test_rank_killed_mid_training_ends_the_job_and_resume_loses_nothing(tmp_path
     newest = checkpoint.latest(str(run_dir / "checkpoints"))
     assert newest is not None and int(newest[-10:-3]) >= 20
 
-    resumed = subprocess.run(train_command(2, *options, "--run-dir", str(run_dir), "--resume"),
-                             cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
-                             timeout=600)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    run_to_end(tmp_path, options, run_dir, "--resume")
     assert losses(run_dir) == expected      # every step after the checkpoint redone exactly
