@@ -13,8 +13,8 @@ import os
 import sys
 import threading
 import time
-from contextlib import contextmanager
-from typing import Dict, Iterator, List, Optional
+from contextlib import nullcontext
+from typing import ContextManager, Dict, List, Optional
 
 import numpy as np
 from mpi4py import MPI
@@ -120,23 +120,32 @@ def unregister(comm: MPI.Intracomm) -> None:
         counter.free()
 
 
-@contextmanager
-def watched(operation: str, comm: MPI.Intracomm) -> Iterator[None]:
-    """Run a blocking collective on ``comm`` under the watchdog (near no cost for a
-    communicator that is not watched)."""
-    global _thread
-    counter = _counters.get(comm.handle) if _counters else None
-    if counter is None:
-        yield
-        return
-    if _thread is None:
-        _thread = _Watchdog()
-        _thread.start()
-    counter.count[0] += 1
-    with _thread.lock:
-        _thread.current = (operation, counter, int(counter.count[0]), time.monotonic())
-    try:
-        yield
-    finally:
+class _Watch:
+    """The watchdog's view of one blocking collective while it runs."""
+
+    def __init__(self, operation: str, counter: ArrivalCounter) -> None:
+        self.operation, self.counter = operation, counter
+
+    def __enter__(self) -> None:
+        global _thread
+        if _thread is None:
+            _thread = _Watchdog()
+            _thread.start()
+        self.counter.count[0] += 1
+        with _thread.lock:
+            _thread.current = (self.operation, self.counter, int(self.counter.count[0]),
+                               time.monotonic())
+
+    def __exit__(self, *exc: object) -> None:
         with _thread.lock:
             _thread.current = None
+
+
+_UNWATCHED = nullcontext()
+
+
+def watched(operation: str, comm: MPI.Intracomm) -> ContextManager[None]:
+    """A context in which to run a blocking collective on ``comm`` under the watchdog (a shared
+    no-op for a communicator that is not watched)."""
+    counter = _counters.get(comm.handle) if _counters else None
+    return _UNWATCHED if counter is None else _Watch(operation, counter)
