@@ -44,6 +44,18 @@ def loss_of(params, step):
     return sum(((p.sin() + 0.1 * p ** 2) * (step + 1 + i)).sum() for i, p in enumerate(params))
 
 
+def step_side_by_side(optimizer, refs, local_optimizer, local):
+    """STEPS steps of ``optimizer`` on the remote ``refs`` and of ``local_optimizer`` on their
+    local copies ``local``, with the same losses."""
+    for step in range(STEPS):
+        with autograd.context() as context_id:
+            autograd.backward(context_id, [loss_of([r.to_here() for r in refs], step)])
+            optimizer.step(context_id)
+        local_optimizer.zero_grad()
+        loss_of(local, step).backward()
+        local_optimizer.step()
+
+
 @pytest.mark.parametrize("optimizer_class,kwargs", CONFIGS,
                          ids=[f"{c.__name__}-{'-'.join(k)}" for c, k in CONFIGS])
 def test_matches_the_same_optimizer_applied_locally(world, step_path, optimizer_class, kwargs):
@@ -55,13 +67,7 @@ def test_matches_the_same_optimizer_applied_locally(world, step_path, optimizer_
         local_optimizer = optimizer_class(local, **kwargs)
         with DistributedOptimizer(optimizer_class, refs, **kwargs) as optimizer:
             assert optimizer.in_place == (step_path == "direct")  # one node: shared memory
-            for step in range(STEPS):
-                with autograd.context() as context_id:
-                    autograd.backward(context_id, [loss_of([r.to_here() for r in refs], step)])
-                    optimizer.step(context_id)
-                local_optimizer.zero_grad()
-                loss_of(local, step).backward()
-                local_optimizer.step()
+            step_side_by_side(optimizer, refs, local_optimizer, local)
             for ref, expected in zip(refs, local):
                 assert torch.equal(ref.to_here(), expected.detach())
                 remote_state = optimizer.state_of(ref)
@@ -82,13 +88,7 @@ def test_other_dtypes_match_the_local_optimizer(world, step_path, dtype):
         local = [p.to(dtype).requires_grad_() for p in initial_parameters(target)]
         local_optimizer = torch.optim.SGD(local, **kwargs)
         with DistributedOptimizer(torch.optim.SGD, refs, **kwargs) as optimizer:
-            for step in range(STEPS):
-                with autograd.context() as context_id:
-                    autograd.backward(context_id, [loss_of([r.to_here() for r in refs], step)])
-                    optimizer.step(context_id)
-                local_optimizer.zero_grad()
-                loss_of(local, step).backward()
-                local_optimizer.step()
+            step_side_by_side(optimizer, refs, local_optimizer, local)
             for ref, expected in zip(refs, local):
                 assert ref.to_here().dtype == dtype
                 assert torch.equal(ref.to_here(), expected.detach())
