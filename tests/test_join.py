@@ -4,7 +4,8 @@ import torch
 from mpi4py import MPI
 
 from tensorplay_hpc import comm
-from tensorplay_hpc.distributed.algorithms.join import Join, Joinable, JoinHook
+from joinables import CPUJoinable
+from tensorplay_hpc.distributed.algorithms.join import Join, JoinHook
 
 
 class _CountingHook(JoinHook):
@@ -18,12 +19,11 @@ class _CountingHook(JoinHook):
         self.counter.last_joiner = is_last_joiner
 
 
-class Counter(Joinable):
+class Counter(CPUJoinable):
     """Adds up, every iteration, one per rank still training: a collective to shadow."""
 
     def __init__(self, process_group=None):
-        super().__init__()
-        self.group = comm.ProcessGroup(process_group)
+        super().__init__(process_group)
         self.total = 0
         self.last_joiner = None
 
@@ -38,14 +38,6 @@ class Counter(Joinable):
 
     def join_hook(self, **kwargs):
         return _CountingHook(self)
-
-    @property
-    def join_device(self):
-        return torch.device("cpu")
-
-    @property
-    def join_process_group(self):
-        return self.group.parent
 
 
 def _inputs(rank):

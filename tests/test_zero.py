@@ -6,7 +6,8 @@ import torch
 from mpi4py import MPI
 
 from tensorplay_hpc import comm
-from tensorplay_hpc.distributed.algorithms.join import Join, Joinable, JoinHook
+from joinables import CPUJoinable
+from tensorplay_hpc.distributed.algorithms.join import Join, JoinHook
 from tensorplay_hpc.distributed.optim import ZeroRedundancyOptimizer
 
 OPTIMIZERS = [
@@ -382,13 +383,12 @@ def test_mixed_dtypes(bucket_view):
     assert model[1].weight.dtype == torch.bfloat16
 
 
-class GradientAverager(Joinable):
+class GradientAverager(CPUJoinable):
     """A stand-in for data parallelism: averages gradients over the ranks, joinable."""
 
     def __init__(self, params):
         super().__init__()
         self.params = list(params)
-        self.group = comm.ProcessGroup()
 
     def average(self):
         Join.notify_join_context(self)
@@ -406,14 +406,6 @@ class GradientAverager(Joinable):
                 averager.average()
 
         return ZeroGradients()
-
-    @property
-    def join_device(self):
-        return torch.device("cpu")
-
-    @property
-    def join_process_group(self):
-        return self.group.parent
 
 
 def _rank_gradient(params, rank, step):

@@ -34,6 +34,7 @@ from tensorplay_hpc.comm.dtypes import reduce_dtype
 from tensorplay_hpc.distributed import autograd
 from tensorplay_hpc.distributed.rma import RemoteRef, by_owner
 from tensorplay_hpc.distributed.rma.buffer_pool import empty
+from tensorplay_hpc.distributed.rma.collective_close import ClosesCollectively
 from tensorplay_hpc.distributed.rma.layout import Layout, Spec
 from tensorplay_hpc.distributed.rma.window import Window
 
@@ -105,7 +106,7 @@ def learn_state(optimizer_class: Type[torch.optim.Optimizer], shape: Tuple[int, 
             if value is not None]
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(ClosesCollectively):
     """Apply ``optimizer_class`` to remote parameters with a context's gradients.
 
     Collective over the group the references were shared on: every rank constructs it (and
@@ -466,15 +467,6 @@ class DistributedOptimizer:
         for proxy in self._proxies.values():
             proxy.data = torch.empty(0, dtype=proxy.dtype)  # let go of window memory
         self._state.free()
-
-    def __enter__(self) -> "DistributedOptimizer":
-        return self
-
-    def __exit__(self, exc_type, *exc) -> None:
-        # Leaving with an error, other ranks may never reach the collective free: skip it
-        # rather than hang (the windows stay allocated until MPI is finalized).
-        if exc_type is None:
-            self.close()
 
 
 def _describe(value: Any) -> str:

@@ -10,13 +10,14 @@ from tensorplay_hpc import comm
 from tensorplay_hpc.comm.dtypes import move_datatype, reduce_dtype
 
 from .buffer_pool import empty
+from .collective_close import ClosesCollectively
 from .layout import Layout
 from .progress import ProgressThread
 from .reference import RemoteRef, by_owner
 from .window import Window
 
 
-class SharedTensors:
+class SharedTensors(ClosesCollectively):
     """The tensors of every rank of a group, each in its owner's window memory.
 
     Two windows hold them. The *values* window holds each rank's tensors; the owner's tensors
@@ -135,15 +136,6 @@ class SharedTensors:
         self.values.free()
         self.gradients.free()
         self._group.close()
-
-    def __enter__(self) -> "SharedTensors":
-        return self
-
-    def __exit__(self, exc_type, *exc) -> None:
-        # Leaving with an error, other ranks may never reach the collective free: skip it
-        # rather than hang (the windows stay allocated until MPI is finalized).
-        if exc_type is None:
-            self.close()
 
 
 def share(tensors: Iterable[torch.Tensor], process_group: Optional[MPI.Comm] = None,
