@@ -47,3 +47,19 @@ def gloo():
     import torch.distributed as dist
     init_gloo(WORLD)
     return dist
+
+
+@pytest.fixture(scope="session")
+def simulated_nodes():
+    """Two simulated nodes of two slots, for tests that launch jobs across nodes: the cluster
+    the suite runs in, or one made for this session."""
+    from simulated_nodes import NodesUnavailable, SimulatedNodes, from_env
+    running = from_env()
+    if running is not None:
+        yield running
+        return
+    try:
+        with SimulatedNodes(nodes=2, slots=2) as nodes:
+            yield nodes
+    except NodesUnavailable as reason:
+        pytest.skip(f"no simulated nodes: {reason}")

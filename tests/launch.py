@@ -6,10 +6,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import pytest
 from mpi4py import MPI
+
+from simulated_nodes import SimulatedNodes
 
 REPO = Path(__file__).resolve().parents[1]
 MPIEXEC = ["mpiexec", "--oversubscribe", "--mca", "mpi_yield_when_idle", "1"]
@@ -34,10 +36,20 @@ def clean_env(base: Optional[Dict[str, str]] = None, **extra: str) -> Dict[str, 
     return env
 
 
+def mpiexec_command(ranks: int, args: List[str], nodes: Optional[SimulatedNodes] = None,
+                    flags: Sequence[str] = ()) -> List[str]:
+    """``mpiexec [FLAGS] -n RANKS python ARGS``, on one node, or on the simulated ``nodes``
+    (entered through their launcher)."""
+    enter = [] if nodes is None else nodes.enter(wd=str(REPO))
+    placement = [] if nodes is None else nodes.mpiexec_flags()
+    return [*enter, *MPIEXEC, *placement, *flags, "-n", str(ranks), sys.executable, *args]
+
+
 def mpiexec(ranks: int, args: List[str], timeout: float = 300, env: Optional[dict] = None,
+            nodes: Optional[SimulatedNodes] = None, flags: Sequence[str] = (),
             **options) -> subprocess.CompletedProcess:
-    """Run ``python ARGS`` on ``ranks`` ranks; the output is captured, the run bounded.
-    ``options`` go to ``subprocess.run``."""
-    command = [*MPIEXEC, "-n", str(ranks), sys.executable, *args]
+    """Run ``python ARGS`` on ``ranks`` ranks (across ``nodes`` when given); the output is
+    captured, the run bounded. ``options`` go to ``subprocess.run``."""
+    command = mpiexec_command(ranks, args, nodes, flags)
     return subprocess.run(command, env=clean_env(env), cwd=REPO, capture_output=True, text=True,
                           timeout=timeout, **options)
