@@ -36,13 +36,19 @@ def clean_env(base: Optional[Dict[str, str]] = None, **extra: str) -> Dict[str, 
     return env
 
 
+def mpiexec_prefix(nodes: Optional[SimulatedNodes] = None) -> List[str]:
+    """``mpiexec`` with this suite's options, on one node, or placing ranks on the simulated
+    ``nodes`` (entered through their launcher, in the repository root: give the jobs absolute
+    paths in a folder every node sees, such as ``tmp_path``)."""
+    if nodes is None:
+        return list(MPIEXEC)
+    return [*nodes.enter(wd=str(REPO)), *MPIEXEC, *nodes.mpiexec_flags()]
+
+
 def mpiexec_command(ranks: int, args: List[str], nodes: Optional[SimulatedNodes] = None,
                     flags: Sequence[str] = ()) -> List[str]:
-    """``mpiexec [FLAGS] -n RANKS python ARGS``, on one node, or on the simulated ``nodes``
-    (entered through their launcher)."""
-    enter = [] if nodes is None else nodes.enter(wd=str(REPO))
-    placement = [] if nodes is None else nodes.mpiexec_flags()
-    return [*enter, *MPIEXEC, *placement, *flags, "-n", str(ranks), sys.executable, *args]
+    """``mpiexec [FLAGS] -n RANKS python ARGS`` (see :func:`mpiexec_prefix`)."""
+    return [*mpiexec_prefix(nodes), *flags, "-n", str(ranks), sys.executable, *args]
 
 
 def mpiexec(ranks: int, args: List[str], timeout: float = 300, env: Optional[dict] = None,

@@ -3,18 +3,21 @@ from __future__ import annotations
 
 import csv
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
-from launch import MPIEXEC
+from launch import mpiexec_prefix
+from simulated_nodes import SimulatedNodes
 
 TINY = ["--layers", "1", "--width", "32", "--heads", "2", "--context", "16", "--batch-size", "8",
         "--eval-every", "0", "--eval-batches", "1", "--no-progress", "--threads", "1"]
 """A model and batch small enough that a step takes milliseconds."""
 
 
-def train_command(ranks: int, *options: str) -> List[str]:
-    """``mpiexec -n RANKS python -m tensorplay_hpc train TINY OPTIONS``."""
-    return [*MPIEXEC, "-n", str(ranks), "python", "-m", "tensorplay_hpc", "train", *TINY, *options]
+def train_command(ranks: int, *options: str, nodes: Optional[SimulatedNodes] = None) -> List[str]:
+    """``mpiexec -n RANKS python -m tensorplay_hpc train TINY OPTIONS``, on this node or across
+    the simulated ``nodes`` (run from a folder they all see, such as ``tmp_path``)."""
+    return [*mpiexec_prefix(nodes), "-n", str(ranks), "python", "-m", "tensorplay_hpc", "train",
+            *TINY, *options]
 
 
 def losses(run_dir: Path) -> List[str]:
