@@ -11,7 +11,6 @@ the same operation on a raw mpi4py window of the same bytes.
 """
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from typing import Callable, List, Sequence
@@ -20,7 +19,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from tensorplay_hpc.bench.gloo import free_port
+from tensorplay_hpc.bench.gloo import set_rendezvous
 from tensorplay_hpc.bench.report import Report
 from tensorplay_hpc.distributed import autograd, rma
 from tensorplay_hpc.distributed.optim import DistributedOptimizer
@@ -89,8 +88,7 @@ def our_iteration(refs: List[rma.RemoteRef], optimizer: DistributedOptimizer,
 def start_rpc() -> None:
     """``torch.distributed.rpc`` with TensorPipe on both ranks. Collective."""
     import torch.distributed.rpc as rpc
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(free_port(WORLD))
+    set_rendezvous(WORLD)
     rank = WORLD.Get_rank()
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, backend=rpc.BackendType.TENSORPIPE,
                  rpc_backend_options=rpc.TensorPipeRpcBackendOptions())

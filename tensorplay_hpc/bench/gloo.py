@@ -3,27 +3,47 @@ from __future__ import annotations
 
 import os
 import socket
+from typing import Tuple
 
 import torch.distributed as dist
 from mpi4py import MPI
 
 
-def free_port(comm: MPI.Intracomm = MPI.COMM_WORLD) -> int:
-    """A free local TCP port, picked by rank 0 of ``comm`` and broadcast. Collective."""
-    port = None
+def _reachable_address() -> str:
+    """An address of this host that other nodes can dial: ``MASTER_ADDR`` when set, else the
+    first non-loopback address the host name resolves to (the name itself as a last resort)."""
+    if os.environ.get("MASTER_ADDR"):
+        return os.environ["MASTER_ADDR"]
+    name = socket.gethostname()
+    try:
+        addresses = [info[4][0] for info in socket.getaddrinfo(name, None, socket.AF_INET)]
+    except socket.gaierror:
+        return name
+    outside = [a for a in addresses if not a.startswith("127.")]
+    return (outside or addresses or [name])[0]
+
+
+def rendezvous(comm: MPI.Intracomm = MPI.COMM_WORLD) -> Tuple[str, int]:
+    """An address of rank 0's host and a free TCP port there, broadcast to every rank of
+    ``comm``: where torch.distributed's store listens. Collective."""
+    chosen = None
     if comm.Get_rank() == 0:
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    return comm.bcast(port, root=0)
+            s.bind(("", 0))
+            chosen = (_reachable_address(), s.getsockname()[1])
+    return comm.bcast(chosen, root=0)
+
+
+def set_rendezvous(comm: MPI.Intracomm = MPI.COMM_WORLD) -> None:
+    """Set ``MASTER_ADDR`` and ``MASTER_PORT`` on every rank from :func:`rendezvous`. Collective."""
+    address, port = rendezvous(comm)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = address, str(port)
 
 
 def init_gloo(comm: MPI.Intracomm = MPI.COMM_WORLD) -> None:
     """Start torch.distributed (gloo) on the ranks of ``comm`` if not already started.
-    Collective: rank 0 picks a free local port and broadcasts it."""
+    Collective."""
     if dist.is_initialized():
         return
-    port = free_port(comm)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(port)
+    set_rendezvous(comm)
     dist.init_process_group("gloo", rank=comm.Get_rank(), world_size=comm.Get_size())
