@@ -8,6 +8,11 @@ bash "$here/setup.sh"
 source "$here/env.sh"
 cd "$root"
 
+# Test folders on a file system that every node sees (a node's /tmp is its own).
+TMPDIR=$(mktemp -d /var/tmp/tensorplay-tests-XXXXXX)
+export TMPDIR
+trap 'rm -rf "$TMPDIR"' EXIT
+
 status=0
 echo "=== shellcheck and the documentation ==="
 if command -v shellcheck >/dev/null 2>&1; then
@@ -25,6 +30,12 @@ for ranks in 1 2 4; do
         status=1
     fi
 done
+echo "=== pytest under mpiexec -n 4 over 2 simulated nodes of 2 ranks (TCP between them) ==="
+if ! timeout 1800 python tests/simulated_nodes.py --nodes 2 --slots 2 --mpiexec -- \
+        "${MPIEXEC[@]:1}" -n 4 python -m pytest --with-mpi -q "$@"; then
+    echo "=== FAILED with 4 ranks over 2 nodes ==="
+    status=1
+fi
 if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     echo "=== GPU checks ==="
     "${MPIEXEC[@]}" -n 2 python tests/gpu_check.py || status=1

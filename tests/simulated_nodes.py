@@ -20,17 +20,20 @@ Needs root (it creates namespaces). Use it from Python::
     with SimulatedNodes(nodes=2, slots=2) as cluster:
         cluster.run(["mpiexec", *cluster.mpiexec_flags(), "-n", "4", "python", "job.py"])
 
-or from the shell (``python tests/simulated_nodes.py --nodes 2 --slots 2 -- COMMAND``), which
-runs COMMAND in the launcher with ``TENSORPLAY_TEST_NODES`` set. A process that runs with that
+or from the shell: ``python tests/simulated_nodes.py --nodes 2 --slots 2 -- COMMAND`` runs
+COMMAND in the launcher with ``TENSORPLAY_TEST_NODES`` set, and with ``--mpiexec`` it runs
+``mpiexec CLUSTER-OPTIONS ARGS`` there (``-- ARGS``: options of your own, ``-n``, the program). A process that runs with that
 variable (a test, or a rank of a job) gets the same cluster back from :func:`from_env`, so it
 can launch further jobs across the same nodes.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -61,6 +64,12 @@ ip link set lo up
 echo ready
 exec sleep infinity
 """
+
+
+def _die_with_parent() -> None:
+    """In a holder, before it execs: be killed when the process that made the cluster dies, so
+    no namespace outlives a killed test run."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 class NodesUnavailable(RuntimeError):
@@ -118,7 +127,8 @@ class SimulatedNodes:
         holder = subprocess.Popen(
             ["unshare", "--net", "--uts", "--ipc", "--mount", "--propagation", "private",
              "sh", "-c", HOLDER, "holder", name, str(hosts)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            preexec_fn=_die_with_parent)
         self._holders[name] = holder
         if holder.stdout.readline().strip() != "ready":
             holder.wait(timeout=10)
@@ -209,6 +219,8 @@ def main() -> int:
     parser.add_argument("--slots", type=int, default=2, help="ranks per node")
     parser.add_argument("--flags", action="store_true",
                         help="print the mpiexec options of the cluster this shell runs in")
+    parser.add_argument("--mpiexec", action="store_true",
+                        help="run `mpiexec CLUSTER-OPTIONS COMMAND` instead of COMMAND")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     args = parser.parse_args()
     if args.flags:
@@ -220,7 +232,11 @@ def main() -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("no COMMAND given")
+    # A `timeout` around this script sends SIGTERM: leave through the cleanup below.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     with SimulatedNodes(args.nodes, args.slots) as cluster:
+        if args.mpiexec:
+            command = ["mpiexec", *cluster.mpiexec_flags(), *command]
         return cluster.run(command).returncode
 
 
