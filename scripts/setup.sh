@@ -37,10 +37,26 @@ if ! command -v shellcheck >/dev/null 2>&1; then
     fi
 fi
 
-if [ -z "${HDF5_DIR:-}" ]; then
-    for candidate in /usr/lib/x86_64-linux-gnu/hdf5/openmpi /usr/lib/aarch64-linux-gnu/hdf5/openmpi; do
-        if [ -d "$candidate" ]; then HDF5_DIR=$candidate; break; fi
-    done
+# A parallel HDF5 prefix holds include/H5pubconf.h defining H5_HAVE_PARALLEL and lib/libhdf5.so.
+is_parallel_hdf5() {
+    grep -qs '^#define H5_HAVE_PARALLEL 1' "$1/include/H5pubconf.h" &&
+        compgen -G "$1/lib/libhdf5.so*" >/dev/null
+}
+# The prefix: HDF5_DIR or HDF5_ROOT (as modules set them), h5pcc's installation point, or
+# Debian's Open MPI flavour; the first that really is a parallel HDF5.
+hdf5_candidates=("${HDF5_DIR:-}" "${HDF5_ROOT:-}")
+if command -v h5pcc >/dev/null 2>&1; then
+    hdf5_candidates+=("$(h5pcc -showconfig 2>/dev/null | sed -n 's/^ *Installation point: *//p')")
+fi
+hdf5_candidates+=(/usr/lib/x86_64-linux-gnu/hdf5/openmpi /usr/lib/aarch64-linux-gnu/hdf5/openmpi)
+requested=${HDF5_DIR:-${HDF5_ROOT:-}}
+HDF5_DIR=
+for candidate in "${hdf5_candidates[@]}"; do
+    if [ -n "$candidate" ] && is_parallel_hdf5 "$candidate"; then HDF5_DIR=$candidate; break; fi
+done
+if [ -n "$requested" ] && [ "$requested" != "$HDF5_DIR" ]; then
+    log "WARNING: $requested is not a parallel HDF5 prefix (no include/H5pubconf.h with" \
+        "H5_HAVE_PARALLEL, or no lib/libhdf5.so)${HDF5_DIR:+; using $HDF5_DIR instead}"
 fi
 
 # 2. The virtual environment.
@@ -57,15 +73,24 @@ if ! "$py" -c "import torch, mpi4py, numpy, pytest, pytest_mpi, pytest_timeout, 
         pytest pytest-mpi pytest-timeout cython pkgconfig setuptools wheel
 fi
 
-# 3. h5py against parallel HDF5 (no build isolation: it would compile another mpi4py).
-if ! "$py" -c "import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)" >/dev/null 2>&1; then
-    if [ -n "${HDF5_DIR:-}" ]; then
+# 3. h5py against parallel HDF5 (no build isolation: it would compile another mpi4py). The
+# prefix it was built against is recorded, so a different HDF5 rebuilds it, bypassing pip's cache
+# of wheels built against the previous one.
+built_against="$venv/.h5py-hdf5-dir"
+if ! "$py" -c "import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)" >/dev/null 2>&1 ||
+        { [ -n "$HDF5_DIR" ] && [ "$(cat "$built_against" 2>/dev/null)" != "$HDF5_DIR" ]; }; then
+    if [ -n "$HDF5_DIR" ]; then
         log "building h5py against parallel HDF5 in $HDF5_DIR (a few minutes the first time)"
-        CC=mpicc HDF5_MPI=ON HDF5_DIR="$HDF5_DIR" "$py" -m pip install -q \
+        cache=()
+        if [ -f "$built_against" ]; then cache=(--no-cache-dir); fi
+        CC=mpicc HDF5_MPI=ON HDF5_DIR="$HDF5_DIR" "$py" -m pip install -q "${cache[@]}" \
             --no-binary=h5py --no-build-isolation --force-reinstall --no-deps h5py
+        echo "$HDF5_DIR" >"$built_against"
     else
-        log "WARNING: no parallel HDF5 found (set HDF5_DIR); installing serial h5py:" \
-            "checkpoints will be written serially, rank by rank"
+        log "WARNING: no parallel HDF5 found (set HDF5_DIR to its prefix); installing serial" \
+            "h5py: checkpoints will be written serially, rank by rank. For parallel h5py:" \
+            "CC=mpicc HDF5_MPI=ON HDF5_DIR=PREFIX pip install --no-binary=h5py" \
+            "--no-build-isolation --force-reinstall --no-deps h5py"
         "$py" -m pip install -q h5py
     fi
 fi
