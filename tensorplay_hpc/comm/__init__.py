@@ -11,8 +11,11 @@
 - :mod:`.agreement` turns a failure on one rank into the same error on all;
 - :mod:`.consistency`, :mod:`.watchdog` and :mod:`.abort` keep a diverging rank from hanging
   the others;
-- :mod:`.cuda` decides how GPU memory reaches MPI and which GPU a rank uses.
+- :mod:`.cuda` decides how GPU memory reaches MPI and which GPU a rank uses;
+- :mod:`.capabilities` says what MPI can do between a communicator's ranks (thread level, one
+  node, one-sided windows).
 """
+from . import capabilities
 from .agreement import agree
 from .abort import abort_on_exception
 from .chunking import CHUNK_ENV, PIECE_ENV, chunk_elements, chunks, piece_elements
@@ -30,8 +33,8 @@ from .work import Work
 __all__ = [
     "CHUNK_ENV", "CUDA_AWARE_ENV", "FlatBuffer", "PIECE_ENV", "ProcessGroup", "ReduceOp", "Staged",
     "Work", "abort_on_exception", "agree", "all_gather", "all_gather_v", "all_reduce",
-    "all_reduce_coalesced", "broadcast", "broadcast_coalesced", "check_consistent",
-    "chunk_elements", "chunks", "device_for_rank", "gather", "group_by_dtype_device",
+    "all_reduce_coalesced", "broadcast", "broadcast_coalesced", "capabilities",
+    "check_consistent", "chunk_elements", "chunks", "device_for_rank", "gather", "group_by_dtype_device",
     "is_cuda_aware", "is_member", "local_rank", "memory", "pack_by_dtype_device", "piece_elements",
     "private_comm", "reduce_scatter", "resolve", "tensor_signature",
 ]

@@ -36,7 +36,7 @@ from tensorplay_hpc.distributed.rma import RemoteRef, by_owner
 from tensorplay_hpc.distributed.rma.buffer_pool import empty
 from tensorplay_hpc.distributed.rma.collective_close import ClosesCollectively
 from tensorplay_hpc.distributed.rma.layout import Layout, Spec
-from tensorplay_hpc.distributed.rma.window import Window
+from tensorplay_hpc.distributed.rma.transport import AnyWindow
 
 DIRECT_ENV = "TENSORPLAY_HPC_RMA_DIRECT"
 """Set to ``0`` to make steps fetch and put back even where the windows are in shared memory."""
@@ -148,7 +148,7 @@ class DistributedOptimizer(ClosesCollectively):
         self._offsets: Dict[ParamKey, List[int]] = {}  # flag, then one per entry
         layouts = [self._lay_out_state(owner, union, entries)
                    for owner in range(self._shared.size)]
-        self._state = Window(communicator, layouts[rank].nbytes)
+        self._state = self._shared.new_window(layouts[rank].nbytes)
         self._state.local.zero_()  # no parameter has state yet
         # Direct steps run the optimizer on the owner's memory itself (a shared-memory window);
         # the others fetch into local stand-ins and buffers, reused by every step.
@@ -302,7 +302,7 @@ class DistributedOptimizer(ClosesCollectively):
                 raise ValueError(f"{where}: state entry {entry.key!r} given is {problem}")
 
     @contextmanager
-    def _own_epoch(self, window: Window, exclusive: bool = False) -> Iterator[None]:
+    def _own_epoch(self, window: AnyWindow, exclusive: bool = False) -> Iterator[None]:
         """An epoch on this rank's own part of ``window``, in which its memory is read and
         written directly."""
         with window.locked(self._shared.rank, exclusive):

@@ -14,13 +14,14 @@ from .collective_close import ClosesCollectively
 from .layout import Layout
 from .progress import ProgressThread
 from .reference import RemoteRef, by_owner
-from .window import Window
+from .transport import AnyWindow, choose, make_window
 
 
 class SharedTensors(ClosesCollectively):
     """The tensors of every rank of a group, each in its owner's window memory.
 
-    Two windows hold them. The *values* window holds each rank's tensors; the owner's tensors
+    Two windows hold them, of the transport :func:`~.transport.choose` picked for the group
+    (:attr:`transport`). The *values* window holds each rank's tensors; the owner's tensors
     are re-pointed (``tensor.data``) at it, so the owner keeps using the same tensor objects.
     The *gradients* window holds, on each owner, one gradient slot per rank of the group (in
     :func:`~tensorplay_hpc.comm.dtypes.reduce_dtype`, float32 for 16-bit floats): a trainer only
@@ -29,6 +30,7 @@ class SharedTensors(ClosesCollectively):
     Attributes:
         refs: all references, flat, in rank order (rank 0's tensors first).
         rank, size: this rank and the size of the group.
+        transport: ``"shared"``, ``"mpi"`` or ``"served"``, the same on every rank.
     """
 
     def __init__(self, tensors: Sequence[torch.Tensor], process_group: Optional[MPI.Comm],
@@ -43,14 +45,14 @@ class SharedTensors(ClosesCollectively):
             move_datatype(tensor.dtype)
         if len({id(t) for t in self._tensors}) != len(self._tensors):
             raise ValueError(f"rma.share: rank {self.rank} lists the same tensor twice")
+        self.transport = choose(self._group.comm, progress_thread)
         specs = [(tuple(t.shape), t.dtype) for t in self._tensors]
         all_specs = self._group.comm.allgather(specs)
         self._value_layouts = [Layout(s) for s in all_specs]
         self._grad_layouts = [Layout([(shape, reduce_dtype(dtype)) for shape, dtype in s])
                               for s in all_specs]
-        self.values = Window(self._group.comm, self._value_layouts[self.rank].nbytes)
-        self.gradients = Window(self._group.comm,
-                                self._grad_layouts[self.rank].nbytes * self.size)
+        self.values = self.new_window(self._value_layouts[self.rank].nbytes)
+        self.gradients = self.new_window(self._grad_layouts[self.rank].nbytes * self.size)
         with torch.no_grad():
             for i, tensor in enumerate(self._tensors):
                 view = self.values.view(self._value_layouts[self.rank].offsets[i], *specs[i])
@@ -67,6 +69,11 @@ class SharedTensors(ClosesCollectively):
     def communicator(self) -> MPI.Intracomm:
         """The private communicator the windows were made on."""
         return self._group.comm
+
+    def new_window(self, nbytes: int) -> AnyWindow:
+        """``nbytes`` of this rank's memory in another window of the group's transport (the
+        caller frees it). Collective."""
+        return make_window(self._group.comm, nbytes, self.transport)
 
     def refs_of(self, rank: int) -> List[RemoteRef]:
         """The references to the tensors rank ``rank`` shared, in its order."""
@@ -146,13 +153,19 @@ def share(tensors: Iterable[torch.Tensor], process_group: Optional[MPI.Comm] = N
         tensors: CPU tensors this rank owns; afterwards they live in window memory (the same
             tensor objects, re-pointed), so the owner keeps reading them locally.
         process_group: an mpi4py intracommunicator; ``None`` is ``MPI.COMM_WORLD``.
-        progress_thread: run a :class:`~.progress.ProgressThread` on this rank, for transports
-            whose one-sided operations need the target to enter MPI (not Open MPI on one node).
+        progress_thread: run a :class:`~.progress.ProgressThread` on this rank, for MPI
+            one-sided components that need the target to enter MPI (Open MPI's ``osc/pt2pt``;
+            not shared memory, nor served windows). Needs MPI_THREAD_MULTIPLE.
 
     Returns:
         A :class:`SharedTensors`: ``.refs`` is the flat list of references to every rank's
         tensors in rank order, ``.refs_of(rank)`` one rank's. ``close()`` it (collective), or use
         it as a context manager.
+
+    Raises:
+        TransportError: on every rank, before any window exists, when no transport works
+            between the ranks or ``progress_thread`` is asked for below MPI_THREAD_MULTIPLE
+            (see :mod:`~.transport`).
     """
     return SharedTensors(list(tensors), process_group, progress_thread)
 

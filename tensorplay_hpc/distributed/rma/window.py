@@ -1,4 +1,6 @@
-"""A byte-addressed MPI window of CPU memory, read and written with tensors.
+"""A byte-addressed MPI window of CPU memory, read and written with tensors (the ``shared`` and
+``mpi`` transports of :mod:`.transport`; :mod:`.served` has the same interface without MPI
+windows).
 
 Each rank's part of the window is allocated by MPI and is seen locally as a ``uint8`` tensor,
 from which typed views are cut. When the group lies within one node the window is made with
@@ -13,7 +15,6 @@ chunk limit are split. Operations complete at the end of the lock epoch that hol
 """
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 from typing import Dict, Iterator, Optional, Tuple
 
@@ -24,33 +25,29 @@ from tensorplay_hpc import comm
 from tensorplay_hpc.comm.dtypes import move_datatype, reduce_dtype
 
 
-SHARED_MEMORY_ENV = "TENSORPLAY_HPC_RMA_SHARED_MEMORY"
-"""Set to ``0`` to make windows with ``Win.Allocate`` even within one node (to try a transport)."""
+def check_transferable(tensor: torch.Tensor, rank: int) -> None:
+    """Raise ``ValueError`` unless ``tensor`` can be a window operation's origin buffer."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError(f"window operations need contiguous CPU tensors (rank {rank})")
 
 
-def within_one_node(communicator: MPI.Intracomm) -> bool:
-    """Whether all ranks of ``communicator`` share memory. Collective."""
-    node = communicator.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        return communicator.allreduce(node.Get_size() == communicator.Get_size(), op=MPI.LAND)
-    finally:
-        node.Free()
-
-
-def _shared_memory_wanted(communicator: MPI.Intracomm) -> bool:
-    wanted = os.environ.get(SHARED_MEMORY_ENV, "1") != "0"
-    return within_one_node(communicator) and communicator.allreduce(wanted, op=MPI.LAND)
+def check_accumulable(tensor: torch.Tensor, rank: int) -> None:
+    """Raise ``TypeError`` for 16-bit floats, which MPI cannot add."""
+    if reduce_dtype(tensor.dtype) != tensor.dtype:
+        raise TypeError(f"cannot accumulate {tensor.dtype} in MPI; convert it to "
+                        f"{reduce_dtype(tensor.dtype)} first (rank {rank})")
 
 
 class Window:
-    """``nbytes`` of window memory on this rank, in a window over ``communicator``.
+    """``nbytes`` of window memory on this rank, in a window over ``communicator``: in shared
+    memory (``shared``, all ranks on one node) or from ``Win.Allocate``.
 
     Collective: every rank of ``communicator`` constructs it (``nbytes`` may differ, or be 0), and
     :meth:`free` it.
     """
 
-    def __init__(self, communicator: MPI.Intracomm, nbytes: int) -> None:
-        if _shared_memory_wanted(communicator):
+    def __init__(self, communicator: MPI.Intracomm, nbytes: int, shared: bool) -> None:
+        if shared:
             info = MPI.Info.Create()
             info.Set("alloc_shared_noncontig", "true")  # each rank's part on its own pages
             self.win = MPI.Win.Allocate_shared(nbytes, disp_unit=1, info=info, comm=communicator)
@@ -91,8 +88,7 @@ class Window:
         self.win.Sync()
 
     def _transfer(self, method, tensor: torch.Tensor, rank: int, offset: int, **kwargs) -> None:
-        if tensor.device.type != "cpu" or not tensor.is_contiguous():
-            raise ValueError(f"window operations need contiguous CPU tensors (rank {self.rank})")
+        check_transferable(tensor, self.rank)
         datatype = move_datatype(tensor.dtype)
         size = tensor.element_size()
         for start, count in comm.chunks(tensor.numel()):
@@ -112,9 +108,7 @@ class Window:
         """Start combining ``tensor`` into ``rank``'s values at ``offset`` with ``op``, element by
         element atomically with respect to other accumulates. 16-bit floats, which MPI cannot add,
         must be converted to their :func:`~tensorplay_hpc.comm.dtypes.reduce_dtype` first."""
-        if reduce_dtype(tensor.dtype) != tensor.dtype:
-            raise TypeError(f"cannot accumulate {tensor.dtype} in MPI; convert it to "
-                            f"{reduce_dtype(tensor.dtype)} first (rank {self.rank})")
+        check_accumulable(tensor, self.rank)
         self._transfer(self.win.Accumulate, tensor, rank, offset, op=op)
 
     @contextmanager

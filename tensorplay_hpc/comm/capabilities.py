@@ -1,0 +1,83 @@
+"""What the MPI library can do between the ranks of a communicator.
+
+The one place that knows: the thread level each rank runs at, whether the ranks share a node,
+and whether passive-target one-sided windows (``MPI.Win.Allocate``) work across them (Debian's
+Open MPI 4.1 over TCP has no one-sided component between nodes: ``Win.Allocate`` raises
+``MPI_ERR_WIN``). Every answer is agreed: the same on every rank of the communicator.
+
+``TENSORPLAY_HPC_RMA_TRANSPORT`` (``auto``, ``shared``, ``mpi`` or ``served``) overrides the
+transport remote tensors choose (see :mod:`tensorplay_hpc.distributed.rma.transport`).
+"""
+from __future__ import annotations
+
+import os
+from typing import List
+
+from mpi4py import MPI
+
+TRANSPORT_ENV = "TENSORPLAY_HPC_RMA_TRANSPORT"
+TRANSPORTS = ("auto", "shared", "mpi", "served")
+
+_LEVEL_NAMES = {
+    MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE",
+    MPI.THREAD_FUNNELED: "MPI_THREAD_FUNNELED",
+    MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED",
+    MPI.THREAD_MULTIPLE: "MPI_THREAD_MULTIPLE",
+}
+
+
+def thread_level_name(level: int) -> str:
+    """``MPI_THREAD_SERIALIZED`` and so on, for messages."""
+    return _LEVEL_NAMES.get(level, f"thread level {level}")
+
+
+def thread_levels(communicator: MPI.Intracomm) -> List[int]:
+    """The thread level (``MPI.Query_thread``) of every rank, in rank order. Collective."""
+    return communicator.allgather(MPI.Query_thread())
+
+
+def ranks_below_multiple(communicator: MPI.Intracomm) -> List[int]:
+    """The ranks that run below ``MPI_THREAD_MULTIPLE`` (none: threads may call MPI
+    concurrently everywhere). Collective."""
+    return [rank for rank, level in enumerate(thread_levels(communicator))
+            if level < MPI.THREAD_MULTIPLE]
+
+
+def within_one_node(communicator: MPI.Intracomm) -> bool:
+    """Whether all ranks share one node's memory (``Split_type(COMM_TYPE_SHARED)``).
+    Collective."""
+    node = communicator.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return communicator.allreduce(node.Get_size() == communicator.Get_size(), op=MPI.LAND)
+    finally:
+        node.Free()
+
+
+def one_sided_works(communicator: MPI.Intracomm) -> bool:
+    """Whether passive-target windows from ``MPI.Win.Allocate`` can be made over
+    ``communicator``: a tiny one is tried (and freed) on a duplicate. Collective."""
+    probe = communicator.Dup()
+    try:
+        try:
+            window = MPI.Win.Allocate(8, disp_unit=1, comm=probe)
+        except MPI.Exception:
+            made = False
+        else:
+            window.Free()
+            made = True
+        return probe.allreduce(made, op=MPI.LAND)
+    finally:
+        probe.Free()
+
+
+def requested_transport() -> str:
+    """The transport ``TENSORPLAY_HPC_RMA_TRANSPORT`` asks for (``auto`` when unset). Local.
+
+    Raises:
+        ValueError: the variable names no transport.
+    """
+    value = os.environ.get(TRANSPORT_ENV, "").strip().lower() or "auto"
+    if value not in TRANSPORTS:
+        raise ValueError(f"{TRANSPORT_ENV}={value!r} on world rank {MPI.COMM_WORLD.Get_rank()}: "
+                         f"choose one of {', '.join(TRANSPORTS)}")
+    return value

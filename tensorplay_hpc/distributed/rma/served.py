@@ -1,0 +1,244 @@
+"""A served window: :class:`~.window.Window`'s interface where MPI has no one-sided support
+between the ranks (Open MPI 4.1 over TCP between nodes).
+
+Each rank's memory is an ordinary local tensor. A service thread per rank and window answers the
+other ranks' requests (lock, unlock, get, put, accumulate, flush) with point-to-point messages on
+a private duplicate of the communicator, so the owner's application thread takes no part: it may
+compute without calling MPI. Headers are small int64 arrays; data moves as flat tensor memory
+(:func:`tensorplay_hpc.comm.memory`), split into chunks like :class:`~.window.Window`'s.
+Threads of one process call MPI concurrently, so this needs ``MPI_THREAD_MULTIPLE``.
+
+Locks are real: :meth:`ServedWindow.locked` returns only once the target's
+:class:`~.locks.LockManager` has granted the lock, and the owner's own accesses take the same
+lock manager locally. A rank's requests to one target are served in the order it sent them, and
+each operation of a client completes before its next one starts, so the operations of an epoch
+have completed at the target when its unlock is acknowledged.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import traceback
+from contextlib import contextmanager
+from typing import Iterator, Optional, Tuple
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from tensorplay_hpc import comm
+from tensorplay_hpc.comm.dtypes import move_datatype
+
+from .locks import LockManager
+from .window import check_accumulable, check_transferable
+
+REQUEST, REPLY, DATA = 1, 2, 3  # message tags
+LOCK_SHARED, LOCK_EXCLUSIVE, UNLOCK, GET, PUT, ACCUMULATE, FLUSH, STOP = range(8)
+HEADER = 6  # operation, byte offset, elements, dtype code, chunk limit, reduction code
+_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+_REDUCTIONS = ((MPI.SUM, torch.Tensor.add_), (MPI.REPLACE, torch.Tensor.copy_),
+               (MPI.PROD, torch.Tensor.mul_),
+               (MPI.MAX, lambda target, value: torch.maximum(target, value, out=target)),
+               (MPI.MIN, lambda target, value: torch.minimum(target, value, out=target)))
+_LOCAL = -1  # the holder name of this rank's own application thread
+_IDLE_WAIT = (2e-5, 1e-3)  # the service thread's polling interval grows between these
+
+
+def _reduction_code(op: MPI.Op) -> int:
+    for code, (known, _) in enumerate(_REDUCTIONS):
+        if op == known:
+            return code
+    raise TypeError("a served window accumulates with MPI.SUM, REPLACE, PROD, MAX or MIN only")
+
+
+class ServedWindow:
+    """``nbytes`` of this rank's memory, reachable by every rank of ``communicator`` through
+    this rank's service thread.
+
+    Collective: every rank of ``communicator`` constructs it (``nbytes`` may differ, or be 0), and
+    :meth:`free` s it.
+    """
+
+    shared_memory = False
+
+    def __init__(self, communicator: MPI.Intracomm, nbytes: int) -> None:
+        self._group = comm.ProcessGroup(communicator)
+        self._comm = self._group.comm
+        self.rank = self._group.rank
+        self._sizes = self._comm.allgather(nbytes)
+        self.local = torch.empty(nbytes, dtype=torch.uint8)
+        self._locks = LockManager()
+        self._accumulating = threading.Lock()  # accumulates are atomic with respect to each other
+        self._service = threading.Thread(target=self._serve, daemon=True,
+                                         name=f"rma-served-window-rank{self.rank}")
+        self._service.start()
+
+    # The client side: this rank's application thread.
+
+    def _send(self, rank: int, operation: int, offset: int = 0, tensor: Optional[torch.Tensor] = None,
+              reduction: int = 0) -> None:
+        header = np.zeros(HEADER, dtype=np.int64)
+        header[:2] = operation, offset
+        if tensor is not None:
+            header[2:5] = tensor.numel(), _DTYPES.index(tensor.dtype), comm.chunk_elements()
+        header[5] = reduction
+        self._comm.Send([header, MPI.INT64_T], rank, REQUEST)
+
+    def _await(self, rank: int) -> None:
+        self._comm.Recv([np.empty(1, dtype=np.int64), MPI.INT64_T], rank, REPLY)
+
+    def _checked(self, tensor: torch.Tensor, rank: int, offset: int) -> torch.Tensor:
+        """``rank``'s bytes that ``tensor`` covers from ``offset``, once checked (a view when
+        ``rank`` is this one)."""
+        check_transferable(tensor, self.rank)
+        end = offset + tensor.numel() * tensor.element_size()
+        if not 0 <= offset <= end <= self._sizes[rank]:
+            raise ValueError(f"rank {self.rank}: bytes {offset}..{end} are outside rank {rank}'s "
+                             f"{self._sizes[rank]} bytes of the window")
+        return self.local[offset:end] if rank == self.rank else self.local[:0]
+
+    def _stream(self, method, tensor: torch.Tensor, rank: int) -> None:
+        """Send or receive ``tensor``'s memory in chunks, on the data tag."""
+        datatype = move_datatype(tensor.dtype)
+        for start, count in comm.chunks(tensor.numel()):
+            method([comm.memory(tensor, start, count), count, datatype], rank, DATA)
+
+    def get(self, tensor: torch.Tensor, rank: int, offset: int) -> None:
+        """Read ``rank``'s bytes from ``offset`` into ``tensor`` (done when it returns)."""
+        local = self._checked(tensor, rank, offset)
+        if rank == self.rank:
+            tensor.view(-1).view(torch.uint8).copy_(local)
+            return
+        self._send(rank, GET, offset, tensor)
+        self._stream(self._comm.Recv, tensor, rank)
+
+    def put(self, tensor: torch.Tensor, rank: int, offset: int) -> None:
+        """Write ``tensor`` into ``rank``'s bytes from ``offset``; complete at the target once
+        the epoch ends or is flushed."""
+        local = self._checked(tensor, rank, offset)
+        if rank == self.rank:
+            local.copy_(tensor.view(-1).view(torch.uint8))
+            return
+        self._send(rank, PUT, offset, tensor)
+        self._stream(self._comm.Send, tensor, rank)
+
+    def accumulate(self, tensor: torch.Tensor, rank: int, offset: int,
+                   op: MPI.Op = MPI.SUM) -> None:
+        """Combine ``tensor`` into ``rank``'s values at ``offset`` with ``op``, atomically with
+        respect to other accumulates; complete at the target once the epoch ends or is flushed.
+        16-bit floats must be converted to their reduction dtype first, as for MPI windows."""
+        local = self._checked(tensor, rank, offset)
+        check_accumulable(tensor, self.rank)
+        code = _reduction_code(op)
+        if rank == self.rank:
+            self._combine(local, tensor.view(-1), code)
+            return
+        self._send(rank, ACCUMULATE, offset, tensor, code)
+        self._stream(self._comm.Send, tensor, rank)
+
+    def _combine(self, memory: torch.Tensor, values: torch.Tensor, code: int) -> None:
+        with self._accumulating:
+            _REDUCTIONS[code][1](memory.view(values.dtype), values)
+
+    @contextmanager
+    def locked(self, rank: int, exclusive: bool = False) -> Iterator[None]:
+        """An epoch on ``rank``, entered once ``rank``'s lock is granted: operations started
+        inside have completed at the target when the block ends. ``rank`` takes no part."""
+        if rank == self.rank:
+            self._locks.acquire(_LOCAL, exclusive)
+        else:
+            self._send(rank, LOCK_EXCLUSIVE if exclusive else LOCK_SHARED)
+            self._await(rank)
+        try:
+            yield
+        finally:
+            if rank == self.rank:
+                self._locks.release(_LOCAL)
+            else:
+                self._send(rank, UNLOCK)
+                self._await(rank)
+
+    def flush(self, rank: int) -> None:
+        """Complete the operations started on ``rank`` in the current epoch."""
+        if rank != self.rank:
+            self._send(rank, FLUSH)
+            self._await(rank)
+
+    def sync(self) -> None:
+        """Nothing to order: local memory is only reached through this process's locks."""
+
+    def view(self, offset: int, shape: Tuple[int, ...], dtype: torch.dtype,
+             rank: Optional[int] = None) -> torch.Tensor:
+        """A tensor of ``shape`` and ``dtype`` viewing this rank's memory from byte ``offset``
+        (other ranks' memory cannot be seen)."""
+        if rank is not None and rank != self.rank:
+            raise RuntimeError(f"rank {self.rank} cannot see rank {rank}'s window memory: the "
+                               "window is served, not in shared memory")
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        return self.local[offset:offset + nbytes].view(dtype).view(shape)
+
+    def free(self) -> None:
+        """Stop the service and release the memory. Collective; every rank's epochs must have
+        ended."""
+        if self._service.is_alive():
+            self._comm.Barrier()  # nobody sends requests any more
+            self._send(self.rank, STOP)
+            self._service.join()
+        self.local = torch.empty(0, dtype=torch.uint8)
+        self._group.close()
+
+    # The service thread.
+
+    def _serve(self) -> None:
+        try:
+            self._serve_requests()
+        except BaseException:  # a client waiting on this rank would wait forever: end the job
+            sys.stderr.write(f"rank {self.rank}: the served window's service thread failed:\n"
+                             f"{traceback.format_exc()}")
+            sys.stderr.flush()
+            MPI.COMM_WORLD.Abort(1)
+
+    def _serve_requests(self) -> None:
+        header = np.empty(HEADER, dtype=np.int64)
+        status = MPI.Status()
+        while True:
+            request = self._comm.Irecv([header, MPI.INT64_T], MPI.ANY_SOURCE, REQUEST)
+            wait = _IDLE_WAIT[0]
+            while not request.Test(status):
+                time.sleep(wait)
+                wait = min(wait * 2, _IDLE_WAIT[1])
+            operation, offset, numel, dtype, limit, reduction = (int(v) for v in header)
+            source = status.Get_source()
+            if operation == STOP:
+                return
+            if operation in (LOCK_SHARED, LOCK_EXCLUSIVE):
+                self._locks.request(source, operation == LOCK_EXCLUSIVE,
+                                    lambda source=source: self._reply(source))
+            elif operation == UNLOCK:
+                self._locks.release(source)
+                self._reply(source)
+            elif operation == FLUSH:
+                self._reply(source)  # every earlier request of this source has been served
+            else:
+                self._transfer(operation, source, offset, numel, _DTYPES[dtype], limit, reduction)
+
+    def _reply(self, rank: int) -> None:
+        self._comm.Send([np.zeros(1, dtype=np.int64), MPI.INT64_T], rank, REPLY)
+
+    def _transfer(self, operation: int, source: int, offset: int, numel: int,
+                  dtype: torch.dtype, limit: int, reduction: int) -> None:
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        memory = self.local[offset:offset + nbytes]
+        if operation == GET:
+            method, buffer = self._comm.Send, memory.view(dtype)
+        elif operation == PUT:
+            method, buffer = self._comm.Recv, memory.view(dtype)
+        else:
+            method, buffer = self._comm.Recv, torch.empty(numel, dtype=dtype)
+        datatype = move_datatype(dtype)
+        for start, count in comm.chunks(numel, limit):
+            method([comm.memory(buffer, start, count), count, datatype], source, DATA)
+        if operation == ACCUMULATE:
+            self._combine(memory, buffer, reduction)
