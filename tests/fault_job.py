@@ -1,6 +1,7 @@
 """An MPI job that goes wrong on purpose, for the reliability tests.
 
-    fault_job.py stall    the last rank sleeps while the others enter an allreduce
+    fault_job.py stall    the last rank sleeps while the others enter an allreduce (rank 0
+                          prints the time, ``time.time()``, at which it enters)
     fault_job.py raise    the last rank raises while the others enter an allreduce
 """
 import sys
@@ -21,6 +22,8 @@ def main(mode):
             time.sleep(120)
         else:
             raise RuntimeError("deliberate failure on the last rank")
+    if group.rank == 0:
+        print(f"entering the stalled collective at {time.time()}", flush=True)
     comm.all_reduce(torch.ones(4), group.comm)
     print("not reached", flush=True)
 

@@ -1,13 +1,18 @@
 """No hangs: mismatches across ranks are errors on every rank, a stalled collective is reported
 and aborted by the watchdog, an exception on one rank ends the job."""
 import os
+import re
 import time
+from contextlib import nullcontext
+from typing import Tuple
 
 import pytest
 import torch
+from mpi4py import MPI
 
 from launch import mpiexec, only_in_single_rank_run
 from tensorplay_hpc import comm
+from tensorplay_hpc.comm import watchdog
 from tensorplay_hpc.comm.consistency import DEBUG_ENV, check_consistent, tensor_signature
 
 JOB = os.path.join(os.path.dirname(__file__), "fault_job.py")
@@ -46,18 +51,75 @@ def test_debug_mode_catches_mismatched_collective(group, monkeypatch):
         comm.all_reduce(t, group.comm)
 
 
-@only_in_single_rank_run
-@pytest.mark.timeout(120)
-def test_watchdog_reports_missing_rank_and_aborts():
-    env = dict(os.environ, TENSORPLAY_HPC_COLLECTIVE_TIMEOUT="3")
-    start = time.monotonic()
-    run = mpiexec(3, [JOB, "stall"], timeout=90, env=env)
-    elapsed = time.monotonic() - start
-    assert run.returncode != 0
-    assert elapsed < 60
-    assert "collective timeout: all_reduce (collective #2)" in run.stderr
-    assert "ranks not arrived: [2]" in run.stderr
+def _stall(ranks: int, limit: int, nodes=None, **env: str) -> Tuple[str, float]:
+    """Run the stalling job: its report, and the seconds from rank 0 entering the stalled
+    collective to the end of the job."""
+    run = mpiexec(ranks, [JOB, "stall"], timeout=150, nodes=nodes,
+                  env=dict(os.environ, TENSORPLAY_HPC_COLLECTIVE_TIMEOUT=str(limit), **env))
+    ended = time.time()
+    assert run.returncode != 0, run.stdout + run.stderr
     assert "not reached" not in run.stdout
+    entered = re.search(r"entering the stalled collective at ([0-9.]+)", run.stdout)
+    assert entered, run.stdout + run.stderr
+    return run.stderr, ended - float(entered.group(1))
+
+
+@only_in_single_rank_run
+@pytest.mark.timeout(180)
+def test_watchdog_reports_missing_rank_and_aborts():
+    report, elapsed = _stall(3, limit=3)
+    assert "collective timeout: all_reduce (collective #2)" in report
+    assert "ranks not arrived: [2]." in report
+    assert "not answering" not in report
+    assert 3 <= elapsed < 3 + 10
+
+
+@only_in_single_rank_run
+@pytest.mark.timeout(180)
+def test_watchdog_names_a_late_rank_on_another_node(simulated_nodes):
+    report, elapsed = _stall(4, limit=5, nodes=simulated_nodes)   # rank 3 is on n2
+    assert "collective timeout: all_reduce (collective #2) on communicator MPI_COMM_WORLD" in report
+    assert re.search(r"of 4 ranks has waited \d+ s \(limit 5 s\); ranks not arrived: \[3\]\.",
+                     report), report
+    assert "not answering" not in report
+    assert 5 <= elapsed < 5 + 10
+
+
+@only_in_single_rank_run
+@pytest.mark.timeout(180)
+def test_watchdog_below_thread_multiple_aborts_and_says_why(simulated_nodes):
+    report, elapsed = _stall(4, limit=5, nodes=simulated_nodes,
+                             MPI4PY_RC_THREAD_LEVEL="serialized")
+    assert "collective timeout: all_reduce (collective #2)" in report
+    assert ("(limit 5 s); the ranks not arrived cannot be named at thread level "
+            "MPI_THREAD_SERIALIZED (the watchdog needs MPI_THREAD_MULTIPLE to ask them). "
+            "Aborting the job.") in report
+    assert 5 <= elapsed < 5 + 10
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.skipif(MPI.Query_thread() < MPI.THREAD_MULTIPLE, reason="needs MPI_THREAD_MULTIPLE")
+def test_watchdog_asks_every_rank_for_its_count(world, monkeypatch):
+    monkeypatch.setenv(watchdog.TIMEOUT_ENV, "60")
+    watched_comm = world.Dup()
+    counter = watchdog.register(watched_comm, "test")
+    size = world.Get_size()
+    for _ in range(2):
+        comm.all_reduce(torch.ones(2), watched_comm)
+    if world.Get_rank() == 0:   # the others are inside collective #3, waiting for rank 0
+        expected, deadline = [2] + [3] * (size - 1), time.monotonic() + 30
+        counts = counter.counts(time.monotonic() + 5)
+        while counts != expected and time.monotonic() < deadline:
+            time.sleep(0.1)
+            counts = counter.counts(time.monotonic() + 5)
+        assert counts == expected
+    total = torch.ones(2)
+    comm.all_reduce(total, watched_comm)
+    assert total.tolist() == [size, size] and counter.count == 3
+    watchdog.unregister(watched_comm)
+    assert counter.queries is None
+    assert isinstance(watchdog.watched("all_reduce", watched_comm), nullcontext)
+    watched_comm.Free()
 
 
 @only_in_single_rank_run

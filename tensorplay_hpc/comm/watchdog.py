@@ -1,25 +1,40 @@
 """A watchdog for collectives: one that waits longer than a timeout is reported (which
 operation, on which communicator, which ranks have not arrived) and the job is aborted.
 
-Enabled by ``TENSORPLAY_HPC_COLLECTIVE_TIMEOUT`` (seconds) or :func:`enable`. Each
-:class:`~.group.ProcessGroup` made while it is enabled publishes, in a one-integer MPI window,
-how many collectives this rank has entered on it; when a collective stalls, a background thread
-reads every rank's count (passive one-sided ``Get``: the other ranks need not cooperate) and
-names the ranks whose count is behind.
+Enabled by ``TENSORPLAY_HPC_COLLECTIVE_TIMEOUT`` (seconds) or :func:`enable`. Each rank counts,
+for every :class:`~.group.ProcessGroup` made while it is enabled, the collectives it has
+entered on it (a local increment). A background thread per process checks the running
+collectives against the timeout and, on a private duplicate of each watched communicator,
+answers other ranks' queries for its count (point-to-point messages of one integer, polled a
+few times a second). When a collective stalls, the stalled rank asks every rank for its count,
+with a bounded wait, and names the ranks whose count is behind and those that did not answer.
+
+Asking needs ``MPI_THREAD_MULTIPLE`` (the thread talks while the main thread is inside the
+collective). Below it the watchdog still aborts on time, but says that the late ranks cannot be
+named.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
 import time
 from contextlib import nullcontext
-from typing import ContextManager, Dict, List, Optional
+from typing import ContextManager, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 from mpi4py import MPI
 
+from .capabilities import thread_level_name, thread_levels
+
 TIMEOUT_ENV = "TENSORPLAY_HPC_COLLECTIVE_TIMEOUT"
+POLL_SECONDS = 0.1
+"""How often the thread checks the running collectives and answers queries."""
+ANSWER_SECONDS = 3.0
+"""How long a stalled rank waits for the other ranks' counts."""
+_QUERY, _ANSWER = 1, 2      # message tags on a counter's private communicator
+
 _timeout: Optional[float] = None
 
 
@@ -40,84 +55,56 @@ def timeout() -> Optional[float]:
 
 
 class ArrivalCounter:
-    """How many collectives each rank of ``comm`` has entered, readable by any rank. Collective
-    to create and to free."""
+    """How many collectives this rank has entered on ``comm``, and (at ``MPI_THREAD_MULTIPLE``)
+    a private duplicate of ``comm`` on which the ranks ask each other for their counts.
+    Collective to create and to free."""
 
     def __init__(self, comm: MPI.Intracomm, name: str) -> None:
         self.comm, self.name = comm, name
-        self.window = MPI.Win.Allocate(8, 8, comm=comm)
-        self.count = np.frombuffer(self.window.tomemory(), dtype=np.int64)
-        self.count[0] = 0
-        comm.Barrier()
+        self.count = 0
+        self.level = min(thread_levels(comm))     # agreed, so that all ranks Dup or none
+        self.queries: Optional[MPI.Intracomm] = (
+            comm.Dup() if self.level == MPI.THREAD_MULTIPLE else None)
+        self._query = np.zeros(1, dtype=np.int64)
+        self._sends: List[Tuple[MPI.Request, np.ndarray]] = []
+
+    def serve(self) -> None:
+        """Answer the queries that have arrived, with this rank's count. Local."""
+        self._sends = [(r, b) for r, b in self._sends if not r.Test()]
+        status = MPI.Status()
+        while self.queries is not None and self.queries.Iprobe(MPI.ANY_SOURCE, _QUERY, status):
+            source = status.Get_source()
+            self.queries.Recv(self._query, source, _QUERY)
+            self._send(source, _ANSWER)
+
+    def _send(self, rank: int, tag: int) -> None:
+        """Send this rank's count without waiting (the buffer is kept until it has gone)."""
+        buffer = np.array([self.count], dtype=np.int64)
+        self._sends.append((self.queries.Isend(buffer, rank, tag), buffer))
 
     def counts(self, deadline: float) -> List[Optional[int]]:
-        """Every rank's count, read one-sidedly; ``None`` for a rank that did not answer."""
-        result: List[Optional[int]] = []
-        for rank in range(self.comm.Get_size()):
-            value = np.zeros(1, dtype=np.int64)
-            self.window.Lock(rank, MPI.LOCK_SHARED)
-            request = self.window.Rget(value, rank)
-            while not request.Test() and time.monotonic() < deadline:
-                time.sleep(0.01)
-            self.window.Unlock(rank)
-            result.append(int(value[0]) if request.Test() else None)
-        return result
+        """Every rank's count, asked for by messages; ``None`` for a rank that did not answer
+        by ``deadline`` (``time.monotonic()``). Needs the other ranks' watchdog threads; keeps
+        answering their queries meanwhile."""
+        size, me = self.comm.Get_size(), self.comm.Get_rank()
+        answers = np.full(size, -1, dtype=np.int64)
+        pending: Dict[int, MPI.Request] = {}
+        with _lock:
+            for rank in range(size):
+                if rank != me:
+                    pending[rank] = self.queries.Irecv(answers[rank:rank + 1], rank, _ANSWER)
+                    self._send(rank, _QUERY)
+        answers[me] = self.count
+        while pending and time.monotonic() < deadline:
+            serve_all()
+            pending = {rank: r for rank, r in pending.items() if not r.Test()}
+            time.sleep(POLL_SECONDS / 10)
+        return [None if rank in pending else int(answers[rank]) for rank in range(size)]
 
     def free(self) -> None:
-        self.window.Free()
-
-
-class _Watchdog(threading.Thread):
-    """The background thread: one per process, started on first use."""
-
-    def __init__(self) -> None:
-        super().__init__(name="tensorplay_hpc-watchdog", daemon=True)
-        self.lock = threading.Lock()
-        self.current = None    # (operation, counter, count, started)
-
-    def run(self) -> None:
-        while True:
-            limit = timeout()
-            time.sleep(min(1.0, (limit or 10.0) / 10))
-            with self.lock:
-                current = self.current
-            if current and limit and time.monotonic() - current[3] > limit:
-                self.report_and_abort(*current, limit)
-
-    def report_and_abort(self, operation: str, counter: ArrivalCounter, count: int,
-                         started: float, limit: float) -> None:
-        rank = MPI.COMM_WORLD.Get_rank()
-        counts = counter.counts(time.monotonic() + 5.0)
-        missing = [r for r, c in enumerate(counts) if c is not None and c < count]
-        silent = [r for r, c in enumerate(counts) if c is None]
-        sys.stderr.write(
-            f"[rank {rank}] collective timeout: {operation} (collective #{count}) on "
-            f"communicator {counter.name} of {counter.comm.Get_size()} ranks has waited "
-            f"{time.monotonic() - started:.0f} s (limit {limit:g} s); ranks not arrived: "
-            f"{missing or 'none'}" + (f"; ranks not answering: {silent}" if silent else "")
-            + ". Aborting the job.\n")
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(3)
-
-
-_thread: Optional[_Watchdog] = None
-_counters: Dict[int, ArrivalCounter] = {}
-
-
-def register(comm: MPI.Intracomm, name: str) -> Optional[ArrivalCounter]:
-    """Watch the collectives on ``comm`` if the watchdog is on. Collective."""
-    if timeout() is None:
-        return None
-    counter = ArrivalCounter(comm, name)
-    _counters[comm.handle] = counter
-    return counter
-
-
-def unregister(comm: MPI.Intracomm) -> None:
-    """Stop watching ``comm`` and free its window. Collective."""
-    counter = _counters.pop(comm.handle, None)
-    if counter is not None:
-        counter.free()
+        if self.queries is not None:
+            queries, self.queries = self.queries, None
+            queries.Free()
 
 
 class _Watch:
@@ -127,18 +114,88 @@ class _Watch:
         self.operation, self.counter = operation, counter
 
     def __enter__(self) -> None:
-        global _thread
-        if _thread is None:
-            _thread = _Watchdog()
-            _thread.start()
-        self.counter.count[0] += 1
-        with _thread.lock:
-            _thread.current = (self.operation, self.counter, int(self.counter.count[0]),
-                               time.monotonic())
+        self.counter.count += 1
+        self.number, self.started = self.counter.count, time.monotonic()
+        _running.add(self)
 
     def __exit__(self, *exc: object) -> None:
-        with _thread.lock:
-            _thread.current = None
+        _running.discard(self)
+
+
+_lock = threading.RLock()      # held while serving, and while a counter is freed
+_counters: Dict[int, ArrivalCounter] = {}
+_running: Set[_Watch] = set()
+_stop = threading.Event()
+_thread: Optional[threading.Thread] = None
+
+
+def serve_all() -> None:
+    """Answer the count queries that have arrived on every watched communicator. Local."""
+    with _lock:
+        for counter in list(_counters.values()):
+            counter.serve()
+
+
+def _run() -> None:
+    while not _stop.wait(POLL_SECONDS):
+        serve_all()
+        limit = timeout()
+        now = time.monotonic()
+        for watch in list(_running):
+            if limit and now - watch.started > limit:
+                _report_and_abort(watch, limit)
+
+
+def _report_and_abort(watch: _Watch, limit: float) -> None:
+    counter = watch.counter
+    if counter.queries is None:
+        ranks = (f"the ranks not arrived cannot be named at thread level "
+                 f"{thread_level_name(counter.level)} (the watchdog needs MPI_THREAD_MULTIPLE "
+                 "to ask them)")
+    else:
+        counts = counter.counts(time.monotonic() + ANSWER_SECONDS)
+        missing = [r for r, c in enumerate(counts) if c is not None and c < watch.number]
+        silent = [r for r, c in enumerate(counts) if c is None]
+        ranks = (f"ranks not arrived: {missing or 'none'}"
+                 + (f"; ranks not answering: {silent}" if silent else ""))
+    sys.stderr.write(
+        f"[rank {MPI.COMM_WORLD.Get_rank()}] collective timeout: {watch.operation} (collective "
+        f"#{watch.number}) on communicator {counter.name} of {counter.comm.Get_size()} ranks has "
+        f"waited {time.monotonic() - watch.started:.0f} s (limit {limit:g} s); {ranks}. "
+        "Aborting the job.\n")
+    sys.stderr.flush()
+    MPI.COMM_WORLD.Abort(3)
+
+
+def _stop_thread() -> None:
+    # Before MPI is finalized at exit: the thread must not be inside an MPI call then.
+    _stop.set()
+    if _thread is not None:
+        _thread.join()
+
+
+def register(comm: MPI.Intracomm, name: str) -> Optional[ArrivalCounter]:
+    """Watch the collectives on ``comm`` if the watchdog is on (and start the thread).
+    Collective."""
+    global _thread
+    if timeout() is None:
+        return None
+    counter = ArrivalCounter(comm, name)
+    with _lock:
+        _counters[comm.handle] = counter
+    if _thread is None:
+        _thread = threading.Thread(target=_run, name="tensorplay_hpc-watchdog", daemon=True)
+        _thread.start()
+        atexit.register(_stop_thread)
+    return counter
+
+
+def unregister(comm: MPI.Intracomm) -> None:
+    """Stop watching ``comm`` and free its private duplicate. Collective."""
+    with _lock:
+        counter = _counters.pop(comm.handle, None)
+        if counter is not None:
+            counter.free()
 
 
 _UNWATCHED = nullcontext()
