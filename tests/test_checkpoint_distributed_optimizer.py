@@ -9,9 +9,9 @@ import torch
 from mpi4py import MPI
 
 from tensorplay_hpc import checkpoint
+from tensorplay_hpc.comm import capabilities
 from tensorplay_hpc.distributed import autograd, rma
 from tensorplay_hpc.distributed.optim import DistributedOptimizer
-from tensorplay_hpc.distributed.rma.window import SHARED_MEMORY_ENV
 
 WORLD = MPI.COMM_WORLD
 ADAM = dict(lr=0.01, amsgrad=True)
@@ -25,11 +25,14 @@ def folder(tmp_path_factory):
     return WORLD.bcast(path, root=0)
 
 
-@pytest.fixture(params=["shared", "allocate"])
+@pytest.fixture(params=["auto", "mpi", "served"])
 def windows(request, monkeypatch):
-    """Windows in shared memory, and from ``Win.Allocate`` (as across nodes)."""
-    if request.param == "allocate":
-        monkeypatch.setenv(SHARED_MEMORY_ENV, "0")
+    """Windows of the transport the ranks' capabilities give (shared memory on one node), from
+    ``Win.Allocate`` (where MPI supports it between the ranks), and served windows."""
+    if request.param == "mpi" and not capabilities.one_sided_works(WORLD):
+        pytest.skip("MPI has no one-sided windows between these ranks")
+    if request.param != "auto":
+        monkeypatch.setenv(capabilities.TRANSPORT_ENV, request.param)
     return request.param
 
 

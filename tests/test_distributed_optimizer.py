@@ -5,10 +5,12 @@ import time
 import pytest
 import torch
 
+from mpi4py import MPI
+
+from tensorplay_hpc.comm import capabilities
 from tensorplay_hpc.distributed import autograd, rma
 from tensorplay_hpc.distributed.optim import DistributedOptimizer
 from tensorplay_hpc.distributed.optim.distributed_optimizer import DIRECT_ENV
-from tensorplay_hpc.distributed.rma.window import SHARED_MEMORY_ENV
 
 CONFIGS = [
     (torch.optim.SGD, dict(lr=0.1)),
@@ -22,15 +24,23 @@ CONFIGS = [
 STEPS = 4
 
 
-@pytest.fixture(params=["direct", "fetch", "allocate"])
+@pytest.fixture(params=["direct", "fetch", "mpi", "served"])
 def step_path(request, monkeypatch):
-    """Run stepping on the owner's shared memory in place; with Get and Put on the same
-    shared-memory windows; and with Get and Put on windows from ``Win.Allocate`` (as across
-    nodes)."""
+    """Run stepping on the transport the ranks' capabilities give, in place where it is shared
+    memory (one node; across nodes it is served windows here); on the same transport with Get
+    and Put; on MPI windows from ``Win.Allocate`` (where MPI supports them between the ranks);
+    and on served windows."""
     monkeypatch.setenv(DIRECT_ENV, "1" if request.param == "direct" else "0")
-    if request.param == "allocate":
-        monkeypatch.setenv(SHARED_MEMORY_ENV, "0")
+    if request.param == "mpi" and not capabilities.one_sided_works(MPI.COMM_WORLD):
+        pytest.skip("MPI has no one-sided windows between these ranks")
+    if request.param in ("mpi", "served"):
+        monkeypatch.setenv(capabilities.TRANSPORT_ENV, request.param)
     return request.param
+
+
+def stepped_in_place(shared, step_path):
+    """Whether a DistributedOptimizer's steps run on the owner's memory itself."""
+    return step_path == "direct" and shared.transport == "shared"
 
 
 def initial_parameters(owner):
@@ -66,7 +76,7 @@ def test_matches_the_same_optimizer_applied_locally(world, step_path, optimizer_
         local = [p.requires_grad_() for p in initial_parameters(target)]
         local_optimizer = optimizer_class(local, **kwargs)
         with DistributedOptimizer(optimizer_class, refs, **kwargs) as optimizer:
-            assert optimizer.in_place == (step_path == "direct")  # one node: shared memory
+            assert optimizer.in_place == stepped_in_place(shared, step_path)
             step_side_by_side(optimizer, refs, local_optimizer, local)
             for ref, expected in zip(refs, local):
                 assert torch.equal(ref.to_here(), expected.detach())
@@ -191,10 +201,17 @@ def owner_computes_without_mpi(param, expected, seconds=60.0):
 
 @pytest.mark.mpi(min_size=2)
 def test_concurrent_trainers_never_lose_an_update(world, step_path):
+    """Every other rank makes 50 SGD steps (lr 1, gradient 1) on a parameter of rank 0, which
+    computes without calling MPI until it sees all of them. At 4 ranks over two nodes (ranks 0
+    and 1 on the first), trainers 2 and 3 step across nodes through served windows."""
     rank, size = world.Get_rank(), world.Get_size()
     steps, trainers = 50, size - 1
     param = torch.full((1000,), 1000.0)
     with rma.share([param] if rank == 0 else []) as shared:
+        if step_path in ("mpi", "served"):
+            assert shared.transport == step_path
+        elif not capabilities.within_one_node(world):
+            assert shared.transport in ("mpi", "served")
         [ref] = shared.refs
         with DistributedOptimizer(torch.optim.SGD, [ref], lr=1.0) as optimizer:
             world.Barrier()

@@ -1,10 +1,15 @@
-"""Remote references over MPI windows and distributed autograd: values read and gradients sent
-one-sidedly, checked against numbers computed by hand."""
+"""Remote references over MPI windows and served windows, and distributed autograd: values read
+and gradients sent one-sidedly, checked against numbers computed by hand; the transport chosen,
+and the errors when none works."""
+import os
+
 import pytest
 import torch
 from mpi4py import MPI
 
+from launch import mpiexec, only_in_single_rank_run
 from tensorplay_hpc import comm
+from tensorplay_hpc.comm import capabilities
 from tensorplay_hpc.distributed import autograd, rma
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64]
@@ -23,7 +28,29 @@ def chunking(request, monkeypatch):
         monkeypatch.setenv(comm.CHUNK_ENV, request.param)
 
 
-def test_share_gives_every_rank_references_to_all_tensors(world, chunking):
+@pytest.fixture(params=["auto", "served"])
+def transport(request, monkeypatch):
+    """The transport the group's capabilities give, and served windows forced."""
+    if request.param != "auto":
+        monkeypatch.setenv(capabilities.TRANSPORT_ENV, request.param)
+    return request.param
+
+
+def automatic_transport(world):
+    """What ``share`` must choose over ``world`` by itself."""
+    if capabilities.within_one_node(world):
+        return "shared"
+    return "mpi" if capabilities.one_sided_works(world) else "served"
+
+
+def test_transport_follows_the_capabilities_or_the_override(world, transport):
+    expected = automatic_transport(world) if transport == "auto" else transport
+    with rma.share([torch.zeros(1)]) as shared:
+        assert shared.transport == expected
+        assert shared.values.shared_memory == (expected == "shared")
+
+
+def test_share_gives_every_rank_references_to_all_tensors(world, chunking, transport):
     rank, size = world.Get_rank(), world.Get_size()
     mine = owned(rank)
     with rma.share(mine) as shared:
@@ -48,7 +75,7 @@ def test_share_gives_every_rank_references_to_all_tensors(world, chunking):
                     ref.local_value()
 
 
-def test_owner_tensors_live_in_window_memory(world):
+def test_owner_tensors_live_in_window_memory(world, transport):
     rank, size = world.Get_rank(), world.Get_size()
     weight = torch.nn.Parameter(torch.full((4,), float(rank)))
     with rma.share([weight]) as shared:
@@ -64,7 +91,7 @@ def test_owner_tensors_live_in_window_memory(world):
     assert weight[0].item() == rank + 11.0
 
 
-def test_share_over_a_subcommunicator(world):
+def test_share_over_a_subcommunicator(world, transport):
     rank = world.Get_rank()
     half = world.Split(rank % 2, rank)
     try:
@@ -94,7 +121,7 @@ def test_progress_thread_and_poll(world):
         world.Barrier()
 
 
-def test_backward_sends_each_trainers_gradients_to_its_own_slot(world, chunking):
+def test_backward_sends_each_trainers_gradients_to_its_own_slot(world, chunking, transport):
     rank = world.Get_rank()
     mine = [torch.arange(3, dtype=torch.float32) + rank, torch.ones(2, dtype=torch.float16)]
     with rma.share(mine) as shared:
@@ -124,7 +151,7 @@ def test_backward_sends_each_trainers_gradients_to_its_own_slot(world, chunking)
         world.Barrier()
 
 
-def test_fetching_one_tensor_twice_sums_its_gradients(world):
+def test_fetching_one_tensor_twice_sums_its_gradients(world, transport):
     rank = world.Get_rank()
     with rma.share([torch.tensor([1.0, 2.0])] if rank == 0 else []) as shared:
         [ref] = shared.refs
@@ -148,3 +175,57 @@ def test_unknown_context_and_nesting_are_errors(world):
                 pass
     with pytest.raises(ValueError, match=str(context_id)):
         autograd.get_gradients(context_id)  # closed
+
+
+def test_an_unknown_transport_is_an_error_on_every_rank(world, monkeypatch):
+    monkeypatch.setenv(capabilities.TRANSPORT_ENV, "carrier-pigeon")
+    with pytest.raises(ValueError, match=rf"failed on {world.Get_size()} of {world.Get_size()} "
+                                         r"ranks: rank 0: .*'carrier-pigeon'.*auto, shared, mpi, "
+                                         "served"):
+        rma.share([torch.zeros(1)])
+
+
+def test_shared_memory_forced_across_nodes_is_an_error_on_every_rank(world, monkeypatch):
+    if capabilities.within_one_node(world):
+        pytest.skip("the ranks share a node")
+    monkeypatch.setenv(capabilities.TRANSPORT_ENV, "shared")
+    with pytest.raises(rma.TransportError, match="=shared needs every rank on one node"):
+        rma.share([torch.zeros(1)])
+
+
+BELOW_MULTIPLE_JOB = """
+import os, torch
+from mpi4py import MPI
+from tensorplay_hpc.distributed import rma
+rank = MPI.COMM_WORLD.Get_rank()
+outcomes = []
+for transport, progress_thread in (("auto", rank == 0), ("served", False)):
+    os.environ["TENSORPLAY_HPC_RMA_TRANSPORT"] = transport
+    try:
+        rma.share([torch.zeros(2)], progress_thread=progress_thread).close()
+        outcomes.append(f"rank {rank} {transport}: shared")
+    except rma.TransportError as error:
+        outcomes.append(f"rank {rank} {transport}: {error}")
+everyone = MPI.COMM_WORLD.gather(outcomes)
+if rank == 0:
+    print("\\n".join(sum(everyone, [])), flush=True)
+"""
+
+
+@only_in_single_rank_run
+def test_below_thread_multiple_every_rank_raises_before_any_window():
+    """A progress thread on rank 0 only, and served windows, at MPI_THREAD_SERIALIZED: both
+    ranks raise the same error (this used to leave rank 1 waiting in a barrier forever)."""
+    result = mpiexec(2, ["-c", BELOW_MULTIPLE_JOB], timeout=120,
+                     env={**os.environ, "MPI4PY_RC_THREAD_LEVEL": "serialized"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.startswith("rank ")]
+    progress = ("rma.share(progress_thread=True) needs MPI_THREAD_MULTIPLE, but rank 0 runs at "
+                "MPI_THREAD_SERIALIZED: run MPI at MPI_THREAD_MULTIPLE")
+    served = ("rma.share: no transport works: the served transport needs MPI_THREAD_MULTIPLE, but "
+              "rank 0 runs at MPI_THREAD_SERIALIZED, rank 1 runs at MPI_THREAD_SERIALIZED: run MPI "
+              "at MPI_THREAD_MULTIPLE")
+    assert [line.split(": ", 1)[0] for line in lines] == [
+        "rank 0 auto", "rank 0 served", "rank 1 auto", "rank 1 served"]
+    for line in lines:
+        assert line.split(": ", 1)[1].startswith(progress if " auto" in line else served), line

@@ -33,7 +33,9 @@ from tensorplay_hpc.comm.dtypes import move_datatype
 from .locks import LockManager
 from .window import check_accumulable, check_transferable
 
-REQUEST, REPLY, DATA = 1, 2, 3  # message tags
+# Message tags. Each rank runs a client and a service on one communicator, so every direction
+# has its own: to a service (requests and the data of puts), and back (replies, data of gets).
+REQUEST, REPLY, TO_SERVICE, TO_CLIENT = 1, 2, 3, 4
 LOCK_SHARED, LOCK_EXCLUSIVE, UNLOCK, GET, PUT, ACCUMULATE, FLUSH, STOP = range(8)
 HEADER = 6  # operation, byte offset, elements, dtype code, chunk limit, reduction code
 _DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -99,11 +101,11 @@ class ServedWindow:
                              f"{self._sizes[rank]} bytes of the window")
         return self.local[offset:end] if rank == self.rank else self.local[:0]
 
-    def _stream(self, method, tensor: torch.Tensor, rank: int) -> None:
-        """Send or receive ``tensor``'s memory in chunks, on the data tag."""
+    def _stream(self, method, tensor: torch.Tensor, rank: int, tag: int) -> None:
+        """Send or receive ``tensor``'s memory in chunks."""
         datatype = move_datatype(tensor.dtype)
         for start, count in comm.chunks(tensor.numel()):
-            method([comm.memory(tensor, start, count), count, datatype], rank, DATA)
+            method([comm.memory(tensor, start, count), count, datatype], rank, tag)
 
     def get(self, tensor: torch.Tensor, rank: int, offset: int) -> None:
         """Read ``rank``'s bytes from ``offset`` into ``tensor`` (done when it returns)."""
@@ -112,7 +114,7 @@ class ServedWindow:
             tensor.view(-1).view(torch.uint8).copy_(local)
             return
         self._send(rank, GET, offset, tensor)
-        self._stream(self._comm.Recv, tensor, rank)
+        self._stream(self._comm.Recv, tensor, rank, TO_CLIENT)
 
     def put(self, tensor: torch.Tensor, rank: int, offset: int) -> None:
         """Write ``tensor`` into ``rank``'s bytes from ``offset``; complete at the target once
@@ -122,7 +124,7 @@ class ServedWindow:
             local.copy_(tensor.view(-1).view(torch.uint8))
             return
         self._send(rank, PUT, offset, tensor)
-        self._stream(self._comm.Send, tensor, rank)
+        self._stream(self._comm.Send, tensor, rank, TO_SERVICE)
 
     def accumulate(self, tensor: torch.Tensor, rank: int, offset: int,
                    op: MPI.Op = MPI.SUM) -> None:
@@ -136,7 +138,7 @@ class ServedWindow:
             self._combine(local, tensor.view(-1), code)
             return
         self._send(rank, ACCUMULATE, offset, tensor, code)
-        self._stream(self._comm.Send, tensor, rank)
+        self._stream(self._comm.Send, tensor, rank, TO_SERVICE)
 
     def _combine(self, memory: torch.Tensor, values: torch.Tensor, code: int) -> None:
         with self._accumulating:
@@ -232,13 +234,13 @@ class ServedWindow:
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         memory = self.local[offset:offset + nbytes]
         if operation == GET:
-            method, buffer = self._comm.Send, memory.view(dtype)
+            method, buffer, tag = self._comm.Send, memory.view(dtype), TO_CLIENT
         elif operation == PUT:
-            method, buffer = self._comm.Recv, memory.view(dtype)
+            method, buffer, tag = self._comm.Recv, memory.view(dtype), TO_SERVICE
         else:
-            method, buffer = self._comm.Recv, torch.empty(numel, dtype=dtype)
+            method, buffer, tag = self._comm.Recv, torch.empty(numel, dtype=dtype), TO_SERVICE
         datatype = move_datatype(dtype)
         for start, count in comm.chunks(numel, limit):
-            method([comm.memory(buffer, start, count), count, datatype], source, DATA)
+            method([comm.memory(buffer, start, count), count, datatype], source, tag)
         if operation == ACCUMULATE:
             self._combine(memory, buffer, reduction)
