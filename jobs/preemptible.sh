@@ -9,6 +9,15 @@
 # Exit status of `tensorplay-hpc train` after a checkpoint written on a signal (resume it).
 EXIT_PREEMPTED=85
 
+# srun options for such a training. Its planned stop is a non-zero status, which ranks on
+# different nodes reach seconds apart (MPI_Finalize waits only for the ranks of its own node):
+# --kill-on-bad-exit (or a site's KillOnBadExit=1) would cancel the ranks still finishing at
+# the first 85, and srun would fail instead of returning 85. So the step is not cancelled on a
+# non-zero status, but ends at most 60 s after its first rank does (a rank killed by a signal
+# makes PMIx cancel the step at once).
+# shellcheck disable=SC2034 # used by the scripts that source this file
+PREEMPTIBLE_SRUN=(srun --kill-on-bad-exit=0 --wait=60)
+
 run_preemptible() {
     local child status forwarded
     "$@" &

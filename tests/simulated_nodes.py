@@ -188,6 +188,13 @@ class SimulatedNodes:
         return {**(os.environ if base is None else base), ENV: str(self.folder),
                 "TMPDIR": str(self.scratch)}
 
+    def job_env(self, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+        """:meth:`env`, plus the network choice of :meth:`mpiexec_flags` as ``OMPI_MCA_``
+        variables, for ranks that another launcher (``srun``) starts on the nodes."""
+        subnet = f"{SUBNET}.0/24"
+        return {**self.env(base), "OMPI_MCA_oob_tcp_if_include": subnet,
+                "OMPI_MCA_btl_tcp_if_include": subnet}
+
     def run(self, command: List[str], node: str = "launcher", **kwargs) -> subprocess.CompletedProcess:
         """Run ``command`` in ``node``'s namespaces (``kwargs`` go to ``subprocess.run``)."""
         env = self.env(kwargs.pop("env", None))

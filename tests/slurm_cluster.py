@@ -1,14 +1,20 @@
-"""A real single-node Slurm for tests of ``jobs/``: munge and Debian's ``slurm-wlm``, run as
-root without systemd, state and logs in a temporary folder, stopped afterwards.
+"""A real Slurm for tests of ``jobs/``: munge and Debian's ``slurm-wlm``, run as root without
+systemd, state and logs in a temporary folder, stopped afterwards. One node (this machine), or
+one per simulated node (``tests/simulated_nodes.py``):
 
     with SlurmCluster() as cluster:
         job = cluster.sbatch(["jobs/train.sbatch", "--steps", "10"], cwd=repo)
-        cluster.wait_for(job, "COMPLETED")
+
+    with SimulatedNodes(nodes=2, slots=2) as nodes, SlurmCluster(nodes=nodes) as cluster:
+        job = cluster.sbatch(["--nodes=2", "jobs/train.sbatch"], cwd=repo)
 
 The packages are installed with apt when missing (``SlurmUnavailable`` if that is impossible).
 The daemons run in the foreground as children of this process, on free ports, with
 ``SLURM_CONF`` pointing at the generated ``slurm.conf``; the client commands get the same
-variable through :meth:`SlurmCluster.env`.
+variable through :meth:`SlurmCluster.env`. On simulated nodes ``slurmctld`` runs in the
+launcher (the login node, where the client commands run too) and ``slurmd -N nI`` in each node's
+namespaces; the folder is in the nodes' shared scratch, and the one ``munged`` of this machine
+serves them all (its socket is in ``/run/munge``, a folder the namespaces share).
 """
 from __future__ import annotations
 
@@ -20,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
+
+from simulated_nodes import SimulatedNodes
 
 PACKAGES = ("slurm-wlm", "munge")
 MUNGE_KEY = Path("/etc/munge/munge.key")
@@ -63,24 +71,43 @@ def _munge_works() -> bool:
 
 
 class SlurmCluster:
-    """Start munged (unless one answers already), slurmctld and slurmd; stop what was started."""
+    """Start munged (unless one answers already), slurmctld and a slurmd per node; stop what was
+    started. Without ``nodes`` the cluster is this machine, with ``cpus`` CPUs (default all);
+    with ``nodes``, one Slurm node per simulated node, of its ``slots`` CPUs."""
 
-    def __init__(self, cpus: Optional[int] = None) -> None:
-        self.cpus = cpus or os.cpu_count() or 1
-        self.folder = Path(tempfile.mkdtemp(prefix="tensorplay-slurm-"))
+    def __init__(self, cpus: Optional[int] = None,
+                 nodes: Optional[SimulatedNodes] = None) -> None:
+        self.nodes = nodes
+        if nodes is None:
+            self.cpus = cpus or os.cpu_count() or 1
+            self.controller = socket.gethostname().split(".")[0]
+            self.names = [self.controller]
+        else:
+            self.cpus = cpus or nodes.slots
+            self.controller = "launcher"
+            self.names = nodes.names
+        self.folder = Path(tempfile.mkdtemp(prefix="tensorplay-slurm-",
+                                            dir=nodes and nodes.scratch))
         self.conf = self.folder / "slurm.conf"
-        self.host = socket.gethostname().split(".")[0]
         self._daemons: List[subprocess.Popen] = []
 
     # -- setup ------------------------------------------------------------------------------
 
     def _write_conf(self) -> None:
-        for sub in ("state", "spool", "log"):
-            (self.folder / sub).mkdir()
+        for sub in ("state", *(f"spool/{name}" for name in self.names), "log"):
+            (self.folder / sub).mkdir(parents=True)
         f = self.folder
+        names = ",".join(self.names)
+        controller, node_lines = self.controller, []
+        for name in self.names:
+            node_lines.append(f"NodeName={name} CPUs={self.cpus} State=UNKNOWN")
+            if self.nodes is not None:  # reached at their bridge addresses
+                node_lines[-1] += f" NodeAddr={self.nodes.address(name)}"
+        if self.nodes is not None:
+            controller += f"({self.nodes.address(self.controller)})"
         self.conf.write_text("\n".join([
             "ClusterName=tensorplay-test",
-            f"SlurmctldHost={self.host}",
+            f"SlurmctldHost={controller}",
             f"SlurmctldPort={_free_port()}",
             f"SlurmdPort={_free_port()}",
             "SlurmUser=root",
@@ -90,11 +117,12 @@ class SlurmCluster:
             "AuthInfo=cred_expire=10",
             "CredType=cred/munge",
             f"StateSaveLocation={f / 'state'}",
-            f"SlurmdSpoolDir={f / 'spool'}",
+            # slurmd puts its node's name for %n: every node has folders of its own.
+            f"SlurmdSpoolDir={f / 'spool' / '%n'}",
             f"SlurmctldPidFile={f / 'slurmctld.pid'}",
-            f"SlurmdPidFile={f / 'slurmd.pid'}",
+            f"SlurmdPidFile={f / 'slurmd-%n.pid'}",
             f"SlurmctldLogFile={f / 'log' / 'slurmctld.log'}",
-            f"SlurmdLogFile={f / 'log' / 'slurmd.log'}",
+            f"SlurmdLogFile={f / 'log' / 'slurmd-%n.log'}",
             "ProctrackType=proctrack/linuxproc",
             "TaskPlugin=task/none",
             "MpiDefault=none",
@@ -108,8 +136,10 @@ class SlurmCluster:
             "AccountingStorageType=accounting_storage/none",
             "JobCompType=jobcomp/none",
             "JobAcctGatherType=jobacct_gather/none",
-            f"NodeName={self.host} CPUs={self.cpus} State=UNKNOWN",
-            f"PartitionName=test Nodes={self.host} Default=YES MaxTime=INFINITE "
+            # The CPUs configured count, not those slurmd finds (simulated nodes share the cores).
+            "SlurmdParameters=config_overrides",
+            *node_lines,
+            f"PartitionName=test Nodes={names} Default=YES MaxTime=INFINITE "
             "OverSubscribe=YES State=UP",
             "",
         ]))
@@ -145,9 +175,19 @@ class SlurmCluster:
             time.sleep(0.5)
         raise RuntimeError(f"{failure} within {seconds} s\n{self.logs()}")
 
-    def _node_idle(self) -> bool:
+    def _nodes_idle(self) -> bool:
         result = self.run(["sinfo", "-h", "-N", "-o", "%T"])
-        return result.returncode == 0 and result.stdout.strip().rstrip("*") == "idle"
+        states = [state.rstrip("*") for state in result.stdout.split()]
+        return result.returncode == 0 and states == ["idle"] * len(self.names)
+
+    def _on(self, name: str) -> List[str]:
+        """The prefix that runs a command on host ``name`` of this cluster."""
+        return [] if self.nodes is None else self.nodes.enter(name)
+
+    def _start_daemon(self, name: str, command: List[str], log: str) -> None:
+        self._daemons.append(subprocess.Popen(
+            [*self._on(name), *command, "-D", "-f", str(self.conf)], env=self.env(),
+            stdout=subprocess.DEVNULL, stderr=open(self.folder / "log" / log, "w")))
 
     def start(self) -> "SlurmCluster":
         ensure_installed()
@@ -155,11 +195,10 @@ class SlurmCluster:
             raise SlurmUnavailable("the test cluster runs its daemons as root")
         self._write_conf()
         self._start_munge()
-        for daemon in ("slurmctld", "slurmd"):
-            self._daemons.append(subprocess.Popen(
-                [daemon, "-D", "-f", str(self.conf)], env=self.env(),
-                stdout=subprocess.DEVNULL, stderr=open(self.folder / "log" / f"{daemon}.err", "w")))
-        self._until(self._node_idle, 60, "the Slurm node did not become idle")
+        self._start_daemon(self.controller, ["slurmctld"], "slurmctld.err")
+        for name in self.names:
+            self._start_daemon(name, ["slurmd", "-N", name], f"slurmd-{name}.err")
+        self._until(self._nodes_idle, 60, "the Slurm nodes did not become idle")
         return self
 
     def stop(self) -> None:
@@ -190,12 +229,18 @@ class SlurmCluster:
     # -- use --------------------------------------------------------------------------------
 
     def env(self, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
-        """``base`` (default ``os.environ``) with ``SLURM_CONF`` for this cluster."""
-        return {**(os.environ if base is None else base), "SLURM_CONF": str(self.conf)}
+        """``base`` (default ``os.environ``) with ``SLURM_CONF`` for this cluster; on simulated
+        nodes also what jobs need there (see :meth:`SimulatedNodes.job_env`)."""
+        env = {**(os.environ if base is None else base), "SLURM_CONF": str(self.conf)}
+        return env if self.nodes is None else self.nodes.job_env(env)
 
     def run(self, command: List[str], **kwargs) -> subprocess.CompletedProcess:
-        """Run a Slurm client command against this cluster."""
+        """Run a Slurm client command against this cluster (on simulated nodes, in the
+        launcher, in folder ``cwd``)."""
         env = self.env(kwargs.pop("env", None))
+        if self.nodes is not None:
+            cwd = kwargs.pop("cwd", None)
+            command = [*self.nodes.enter(wd=cwd and str(cwd)), *command]
         return _run(command, env=env, timeout=kwargs.pop("timeout", 60), **kwargs)
 
     def sbatch(self, arguments: List[str], **kwargs) -> str:

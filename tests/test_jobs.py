@@ -1,19 +1,23 @@
 """Tests of ``jobs/``: the scripts pass shellcheck; ``local.sh`` stops at a checkpoint on
-SIGTERM and resumes; on a real single-node Slurm, ``train.sbatch`` is signalled before its time
-limit, checkpoints, requeues itself and finishes with the losses of an uninterrupted run, and
-``bench.sbatch`` prints benchmark results."""
+SIGTERM and resumes; on a real Slurm, of one node and of two simulated nodes, ``train.sbatch`` is
+signalled before its time limit, checkpoints, requeues itself and finishes with the losses of an
+uninterrupted run, and ``bench.sbatch`` prints benchmark results."""
 import json
 import shutil
 import signal
 import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import List, Optional
 
 import pytest
 
 from slurm_cluster import SlurmCluster, SlurmUnavailable
 from tensorplay_hpc.train.preemption import EXIT_PREEMPTED
 from launch import ONLY_UNDER_ONE_RANK, REPO, clean_env, single_rank
+from simulated_nodes import SimulatedNodes
 from train_launch import TINY, losses, restarts, train_command
 
 nested = pytest.mark.skipif(not single_rank(), reason=ONLY_UNDER_ONE_RANK)
@@ -21,17 +25,42 @@ nested = pytest.mark.skipif(not single_rank(), reason=ONLY_UNDER_ONE_RANK)
 RUN = ["--steps", "150", "--checkpoint-every", "10"]
 """Long enough that a signal sent at the first checkpoint arrives before the end."""
 
+ACROSS_NODES = ["--collective-timeout", "0"]
+"""Training options across the simulated nodes: no collective watchdog, whose one-sided window
+has no MPI component between TCP nodes there (``MPI_ERR_WIN``)."""
+
+
+def _shared_folder(nodes: SimulatedNodes, name: str) -> Path:
+    """A new folder in the nodes' scratch, which every node sees (a node's /tmp is its own);
+    it goes with the cluster."""
+    return Path(tempfile.mkdtemp(prefix=f"{name}-", dir=nodes.scratch))
+
+
+def _uninterrupted(run_dir: Path, ranks: int, *options: str,
+                   nodes: Optional[SimulatedNodes] = None) -> List[str]:
+    """The losses of RUN at ``ranks`` ranks without a stop (what every resumed run must
+    reproduce), on this node or across ``nodes``."""
+    result = subprocess.run(train_command(ranks, *RUN, *options, "--run-dir", str(run_dir),
+                                          nodes=nodes),
+                            cwd=run_dir, env=clean_env(), capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return losses(run_dir)
+
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> list:
-    """The losses of RUN at 2 ranks without a stop (what every resumed run must reproduce)."""
+    """RUN's losses at 2 ranks on this node."""
     if not single_rank():
         pytest.skip(ONLY_UNDER_ONE_RANK)
-    run_dir = tmp_path_factory.mktemp("uninterrupted")
-    result = subprocess.run(train_command(2, *RUN, "--run-dir", str(run_dir)), cwd=run_dir,
-                            env=clean_env(), capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return losses(run_dir)
+    return _uninterrupted(tmp_path_factory.mktemp("uninterrupted"), 2)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_on_two_nodes(simulated_nodes) -> list:
+    """RUN's losses at 4 ranks, 2 on each simulated node (mpiexec, no Slurm)."""
+    return _uninterrupted(_shared_folder(simulated_nodes, "uninterrupted"), 4, *ACROSS_NODES,
+                          nodes=simulated_nodes)
 
 
 def test_job_scripts_pass_shellcheck():
@@ -75,15 +104,27 @@ def test_local_sh_checkpoints_on_sigterm_and_resumes(uninterrupted, tmp_path):
     assert restarts(run_dir) == [stopped_at + 1]
 
 
-@pytest.fixture(scope="module")
-def cluster():
+def _slurm(**options):
+    """A running ``SlurmCluster(**options)``, stopped after; a skip where Slurm cannot run."""
     if not single_rank():
         pytest.skip(ONLY_UNDER_ONE_RANK)
     try:
-        with SlurmCluster() as running:
+        with SlurmCluster(**options) as running:
             yield running
     except SlurmUnavailable as reason:
         pytest.skip(f"no Slurm: {reason}")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A Slurm of one node: this machine."""
+    yield from _slurm()
+
+
+@pytest.fixture(scope="module")
+def two_nodes(simulated_nodes):
+    """A Slurm of two nodes, ``n1`` and ``n2``, of two CPUs each: the simulated nodes."""
+    yield from _slurm(nodes=simulated_nodes)
 
 
 def _wait_for_state(cluster: SlurmCluster, job: str, states: set, seconds: float) -> dict:
@@ -109,13 +150,10 @@ def _wait_for_text(path: Path, text: str, seconds: float, cluster: SlurmCluster,
     raise AssertionError(f"{text!r} not in {path} within {seconds} s:\n{content}")
 
 
-@nested
-@pytest.mark.timeout(1200)
-def test_train_sbatch_is_signalled_requeued_and_finishes_like_an_uninterrupted_run(
-        cluster, uninterrupted, tmp_path):
-    run_dir, output = tmp_path / "slurm", tmp_path / "job.out"
-    job = cluster.sbatch([f"--output={output}", "jobs/train.sbatch", *TINY, *RUN], cwd=REPO,
-                         env=clean_env(RUN_DIR=str(run_dir)))
+def _signal_and_finish(cluster: SlurmCluster, job: str, output: Path, run_dir: Path,
+                       expected: List[str]) -> str:
+    """Send ``job`` (a RUN of train.sbatch) the time-limit warning after its first checkpoint;
+    check that it is requeued once, resumes and ends with the ``expected`` losses. The log."""
     _wait_for_text(output, "checkpoint at step 10 ", 300, cluster, job)
     # What --signal=B:USR1@120 does two minutes before the time limit: USR1 to the batch shell.
     signalled = cluster.run(["scancel", "--signal=USR1", "--batch", job])
@@ -127,9 +165,51 @@ def test_train_sbatch_is_signalled_requeued_and_finishes_like_an_uninterrupted_r
     for line in ("signal received", "SIGUSR1: stopping at step", f"requeueing job {job}",
                  f"job {job} run 2", "resumed from", "done: 150 steps"):
         assert line in log
-    assert losses(run_dir) == uninterrupted
+    assert losses(run_dir) == expected
     assert len(restarts(run_dir)) == 1
     assert (run_dir / "loss.png").exists()
+    return log
+
+
+@nested
+@pytest.mark.timeout(1200)
+def test_train_sbatch_is_signalled_requeued_and_finishes_like_an_uninterrupted_run(
+        cluster, uninterrupted, tmp_path):
+    run_dir, output = tmp_path / "slurm", tmp_path / "job.out"
+    job = cluster.sbatch([f"--output={output}", "jobs/train.sbatch", *TINY, *RUN], cwd=REPO,
+                         env=clean_env(RUN_DIR=str(run_dir)))
+    log = _signal_and_finish(cluster, job, output, run_dir, uninterrupted)
+    assert "2 ranks on " in log
+
+
+@nested
+@pytest.mark.timeout(300)
+def test_srun_in_a_two_node_job_runs_two_ranks_on_each_node(two_nodes, simulated_nodes):
+    output = _shared_folder(simulated_nodes, "probe") / "probe.out"
+    job = two_nodes.sbatch([f"--output={output}", "--nodes=2", "--ntasks-per-node=2", "--wrap",
+                            f"srun --mpi=pmix {sys.executable} tests/node_probe.py"],
+                           cwd=REPO, env=clean_env())
+    info = _wait_for_state(two_nodes, job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, 120)
+    log = output.read_text(errors="replace")
+    assert info["JobState"] == "COMPLETED" and info["NodeList"] == "n[1-2]", log
+    seen = json.loads(log.strip().splitlines()[-1])
+    assert [r["hostname"] for r in seen] == ["n1", "n1", "n2", "n2"]
+    assert [r["processor"] for r in seen] == ["n1", "n1", "n2", "n2"]
+    assert [r["node_size"] for r in seen] == [2, 2, 2, 2]
+    assert [r["shared_window_over_world"] for r in seen] == [False] * 4
+
+
+@nested
+@pytest.mark.timeout(1200)
+def test_train_sbatch_on_two_nodes_is_signalled_requeued_and_finishes_like_an_uninterrupted_run(
+        two_nodes, simulated_nodes, uninterrupted_on_two_nodes):
+    folder = _shared_folder(simulated_nodes, "slurm")
+    run_dir, output = folder / "run", folder / "job.out"
+    job = two_nodes.sbatch([f"--output={output}", "--nodes=2", "--ntasks-per-node=2",
+                            "jobs/train.sbatch", *TINY, *RUN, *ACROSS_NODES],
+                           cwd=REPO, env=clean_env(RUN_DIR=str(run_dir)))
+    log = _signal_and_finish(two_nodes, job, output, run_dir, uninterrupted_on_two_nodes)
+    assert "4 ranks on n[1-2]" in log
 
 
 @nested
