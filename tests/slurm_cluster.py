@@ -127,6 +127,8 @@ class SlurmCluster:
             "TaskPlugin=task/none",
             "MpiDefault=none",
             "SchedulerType=sched/builtin",
+            # Look at pending jobs every 2 s, not 60: a requeued job starts when it may.
+            "SchedulerParameters=sched_interval=2",
             "SelectType=select/cons_tres",
             "SelectTypeParameters=CR_CPU",
             "ReturnToService=2",
