@@ -20,17 +20,22 @@ from .files import checkpoints, latest
 from .format import CheckpointError
 from .optimizers import Checkpointable
 from .reader import Reader
+from .replicas import Replicas
 
 __all__ = ["CheckpointError", "Reader", "checkpoints", "latest", "load", "save"]
 
 
 def save(path: str, model: Optional[torch.nn.Module] = None,
          optimizer: Optional[Checkpointable] = None, extra: Optional[Dict[str, Any]] = None,
-         process_group: Optional[MPI.Intracomm] = None, keep: Optional[int] = None) -> str:
+         process_group: Optional[MPI.Intracomm] = None, keep: Optional[int] = None,
+         replica_group: Optional[MPI.Intracomm] = None) -> str:
     """Save a checkpoint to ``path``. Collective over ``process_group`` (default world).
 
     Every rank writes its own share straight into the file: its slice of the replicated model
     and of a plain optimizer's state, or the state shard it owns (ZeroRedundancyOptimizer).
+    ``replica_group``, when the ranks' replicated state differs between groups (post-local SGD
+    across nodes, between averagings), is this rank's group of ranks holding the same copy (a
+    sub-communicator of ``process_group``, such as the node's): each group's copy is saved.
     ``extra`` holds this rank's own values (epoch, RNG states, data position); tensors and
     arrays in it become datasets. The file appears at ``path`` only once complete; ``keep``
     then deletes all but the newest ``keep`` checkpoints of the folder.
@@ -45,7 +50,8 @@ def save(path: str, model: Optional[torch.nn.Module] = None,
     try:
         error, snap = None, None
         try:
-            snap = snapshot.take(group.rank, group.size, model, optimizer, extra)
+            replicas = Replicas(group.comm, replica_group)
+            snap = snapshot.take(group.rank, replicas, model, optimizer, extra)
         except Exception as failure:
             error = failure
         agree(group.comm, error, f"saving checkpoint {path}", CheckpointError)
@@ -56,11 +62,15 @@ def save(path: str, model: Optional[torch.nn.Module] = None,
 
 def load(path: str, model: Optional[torch.nn.Module] = None,
          optimizer: Optional[Checkpointable] = None,
-         process_group: Optional[MPI.Intracomm] = None) -> Dict[str, Any]:
+         process_group: Optional[MPI.Intracomm] = None,
+         replica_group: Optional[MPI.Intracomm] = None) -> Dict[str, Any]:
     """Load a checkpoint saved at any world size. Collective over ``process_group``.
 
-    Each rank reads the model and only the optimizer state it needs under the current
-    partition, checking every dataset's checksum.
+    Replicated entries (the model, a plain optimizer's state) are read once, by ranks taking
+    turns by bytes, and broadcast; sharded state is read only by the rank that needs it under the
+    current partition. Each reader checks the checksums of what it read. A file holding several
+    replicas (see :func:`save`) loads this rank's own replica when ``replica_group`` forms the
+    same groups as at save time, and the replicas' average otherwise.
 
     Returns:
         The extras saved by this rank (by rank 0 if the file was saved on fewer ranks).
@@ -70,13 +80,17 @@ def load(path: str, model: Optional[torch.nn.Module] = None,
     """
     group = ProcessGroup(process_group)
     try:
-        error, extra = None, {}
+        error, reader, replicas = None, None, None
         try:
-            with Reader(path) as reader:
-                extra = restore.load_into(reader, group.rank, model, optimizer)
+            replicas = Replicas(group.comm, replica_group)   # collective: raises on all or none
+            reader = Reader(path)
         except Exception as failure:
             error = failure
-        agree(group.comm, error, f"loading checkpoint {path}", CheckpointError)
-        return extra
+        try:
+            agree(group.comm, error, f"loading checkpoint {path}", CheckpointError)
+            return restore.load_into(reader, group.comm, replicas, model, optimizer)
+        finally:
+            if reader is not None:
+                reader.close()
     finally:
         group.close()

@@ -68,7 +68,7 @@ def import_(source: str, path: str, optimizer_class: Optional[str]) -> str:
     saved = torch.load(source, map_location="cpu", weights_only=True)
     snap = snapshot.Snapshot()
     if saved.get("model") is not None:
-        snapshot.add_model(snap, saved["model"], 0, 1, "imported")
+        snapshot.add_model(snap, saved["model"], 0, [0], "imported")
     if saved.get("optimizer") is not None:
         if not optimizer_class:
             raise SystemExit("the file holds optimizer state: name its class with "

@@ -3,13 +3,18 @@
 One HDF5 file per checkpoint::
 
     /                         attrs: format, format_version, package_version, torch_version,
-                                     world_size, step, created
+                                     world_size, step, created, replicas (JSON)
     /model/<name>             each parameter and buffer of model.state_dict(), by name
     /optimizer                attrs: class, kind, param_groups (JSON), and kind-specific values
     /optimizer/state/<i>/<k>  optimizer state of global parameter index i, key k
     /optimizer/parameters/<i> a DistributedOptimizer's parameter values, written by their owners
     /extra/rank<r>/<k>        the user's extra values saved by rank r (tensors as datasets,
                               everything else in the group's "values" attribute)
+
+With several replicas (ranks whose replicated state differs between groups, as post-local SGD
+across nodes), replica ``j``'s model and replicated optimizer state lie under ``/replica<j>/``
+(``/replica<j>/model/<name>``, ``/replica<j>/optimizer/state/<i>/<k>``); with one replica (every
+file of version 1) there is no prefix.
 
 Every dataset has the attributes ``torch_dtype`` and ``crc32`` (of its raw bytes). bfloat16,
 which HDF5 lacks, is stored as its raw 16-bit words (``uint16``).
@@ -23,7 +28,7 @@ import numpy as np
 import torch
 
 FORMAT = "tensorplay_hpc-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 SUFFIX = ".h5"
 
 _STORED_AS = {torch.bfloat16: torch.int16}
@@ -74,12 +79,21 @@ def checksum(array: np.ndarray) -> int:
     return zlib.crc32(memoryview(np.ascontiguousarray(array)).cast("B")) & 0xFFFFFFFF
 
 
-def model_name(key: str) -> str:
-    return f"model/{key}"
+def replica_prefix(replica: int, replicas: int) -> str:
+    """The folder of replica ``replica``'s copy when the file holds ``replicas`` of them."""
+    return "" if replicas == 1 else f"replica{replica}/"
 
 
-def state_name(index: int, key: str) -> str:
-    return f"optimizer/state/{index}/{key}"
+def model_name(key: str, prefix: str = "") -> str:
+    return f"{prefix}model/{key}"
+
+
+def state_node(index: int, prefix: str = "") -> str:
+    return f"{prefix}optimizer/state/{index}"
+
+
+def state_name(index: int, key: str, prefix: str = "") -> str:
+    return f"{state_node(index, prefix)}/{key}"
 
 
 def extra_group(rank: int) -> str:

@@ -53,6 +53,8 @@ class OptimizerAdapter:
     """The checkpoint's view of an optimizer. Subclasses fill in the details."""
 
     kind = "local"
+    replicated = True
+    """Whether every rank of a replica holds the whole state (else each rank holds its own)."""
 
     def __init__(self, optimizer: Checkpointable) -> None:
         self.optimizer = optimizer
@@ -70,12 +72,13 @@ class OptimizerAdapter:
         """Kind-specific values saved on ``/optimizer``."""
         return {}
 
-    def state_to_write(self, rank: int, size: int) -> State:
-        """This rank's share of the consolidated state (replicated: split by bytes)."""
+    def state_to_write(self, rank: int, writers: Sequence[int]) -> State:
+        """This rank's share of the consolidated state; replicated state is split by bytes
+        between ``writers``, the ranks holding the same copy."""
         state = self.optimizer.state_dict()["state"]
         indices = sorted(state)
-        writers = assign_writers([_state_bytes(state[i]) for i in indices], size)
-        return {i: state[i] for i, w in zip(indices, writers) if w == rank}
+        shares = assign_writers([_state_bytes(state[i]) for i in indices], len(writers))
+        return {i: state[i] for i, w in zip(indices, shares) if writers[w] == rank}
 
     def indices_to_read(self, rank: int) -> Optional[List[int]]:
         """The global indices whose state this rank needs; ``None`` for all of them."""
@@ -98,6 +101,7 @@ class OptimizerAdapter:
 
 class ZeroAdapter(OptimizerAdapter):
     kind = "zero"
+    replicated = False
 
     @property
     def optimizer_class(self) -> str:
@@ -109,7 +113,7 @@ class ZeroAdapter(OptimizerAdapter):
                  "params": [index_of[id(p)] for p in group["params"]]}
                 for group in self.optimizer.param_groups]
 
-    def state_to_write(self, rank: int, size: int) -> State:
+    def state_to_write(self, rank: int, writers: Sequence[int]) -> State:
         return self.optimizer.local_state_by_index()
 
     def indices_to_read(self, rank: int) -> Optional[List[int]]:
@@ -122,6 +126,7 @@ class PostLocalSGDAdapter(OptimizerAdapter):
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         super().__init__(optimizer)
         self.inner = adapter_for(optimizer.optim)
+        self.replicated = self.inner.replicated
 
     @property
     def optimizer_class(self) -> str:
@@ -133,8 +138,8 @@ class PostLocalSGDAdapter(OptimizerAdapter):
     def attributes(self) -> Dict[str, Any]:
         return {**self.inner.attributes(), "averager_step": int(self.optimizer.averager.step)}
 
-    def state_to_write(self, rank: int, size: int) -> State:
-        return self.inner.state_to_write(rank, size)
+    def state_to_write(self, rank: int, writers: Sequence[int]) -> State:
+        return self.inner.state_to_write(rank, writers)
 
     def indices_to_read(self, rank: int) -> Optional[List[int]]:
         return self.inner.indices_to_read(rank)
@@ -165,6 +170,7 @@ class DistributedOptimizerAdapter(OptimizerAdapter):
     """
 
     kind = "distributed"
+    replicated = False
 
     @property
     def optimizer_class(self) -> str:
@@ -181,7 +187,7 @@ class DistributedOptimizerAdapter(OptimizerAdapter):
         return [[ref.owner(), ref.index, list(ref.shape), dtype_name(ref.dtype)]
                 for ref in self.optimizer.parameter_refs]
 
-    def state_to_write(self, rank: int, size: int) -> State:
+    def state_to_write(self, rank: int, writers: Sequence[int]) -> State:
         return self.optimizer.owned_state()
 
     def indices_to_read(self, rank: int) -> Optional[List[int]]:

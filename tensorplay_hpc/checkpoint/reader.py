@@ -1,11 +1,13 @@
 """Reading a checkpoint file: validation, checksummed tensors and attributes. Not collective:
-each rank opens the file read-only and reads only what it needs."""
+each rank opens the file read-only and reads only what it needs; :attr:`Reader.bytes_read`
+counts the dataset bytes it read."""
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import h5py
+import numpy as np
 import torch
 
 from . import format as fmt
@@ -14,10 +16,16 @@ from . import values
 
 class Reader:
     """An open checkpoint. Raises :class:`~.format.CheckpointError` for a missing, unreadable
-    (truncated, corrupted) or foreign file, and for a dataset whose checksum does not match."""
+    (truncated, corrupted) or foreign file, and for a dataset whose checksum does not match.
+
+    Attributes:
+        bytes_read: the bytes of dataset values read so far.
+        version: the file's format version.
+    """
 
     def __init__(self, path: str) -> None:
         self.path = os.path.abspath(path)
+        self.bytes_read = 0
         if not os.path.exists(self.path):
             raise fmt.CheckpointError(f"{self.path}: no such checkpoint file")
         try:
@@ -30,7 +38,7 @@ class Reader:
             self.close()
             raise fmt.CheckpointError(f"{self.path}: not a tensorplay_hpc checkpoint "
                                       f"(format attribute is {found!r})")
-        version = int(self.file.attrs.get("format_version", -1))
+        version = self.version = int(self.file.attrs.get("format_version", -1))
         if version > fmt.FORMAT_VERSION:
             self.close()
             raise fmt.CheckpointError(f"{self.path}: format version {version} is newer than this "
@@ -79,16 +87,32 @@ class Reader:
             self.tensor(name)
         return len(names)
 
-    def tensor(self, name: str) -> torch.Tensor:
-        """Read dataset ``name`` as a tensor, verifying its checksum."""
+    def describe(self, name: str) -> Tuple[Tuple[int, ...], torch.dtype]:
+        """The shape and dtype of dataset ``name`` (metadata only, no values read)."""
         try:
             dataset = self.file[name]
-            array = dataset[()]
+        except KeyError:
+            raise fmt.CheckpointError(f"{self.path}: the checkpoint lacks dataset {name!r}") from None
+        return tuple(dataset.shape), fmt.torch_dtype(dataset.attrs["torch_dtype"])
+
+    def read_into(self, name: str, out: np.ndarray) -> None:
+        """Read dataset ``name`` into ``out`` (its shape and stored dtype), verifying its
+        checksum."""
+        try:
+            dataset = self.file[name]
+            if out.size:
+                dataset.read_direct(out)
         except (OSError, KeyError) as error:
             raise fmt.CheckpointError(f"{self.path}: cannot read dataset {name!r} (truncated "
                                       f"file?): {error}") from None
-        expected = int(dataset.attrs["crc32"])
-        if fmt.checksum(array) != expected:
+        self.bytes_read += out.nbytes
+        if fmt.checksum(out) != int(dataset.attrs["crc32"]):
             raise fmt.CheckpointError(f"{self.path}: checksum mismatch in dataset {name!r}: the "
                                       "file is corrupted")
-        return fmt.from_numpy(array, fmt.torch_dtype(dataset.attrs["torch_dtype"]))
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """Read dataset ``name`` as a tensor, verifying its checksum."""
+        shape, dtype = self.describe(name)
+        out = np.empty(shape, dtype=fmt.numpy_dtype(dtype))
+        self.read_into(name, out)
+        return fmt.from_numpy(out, dtype)

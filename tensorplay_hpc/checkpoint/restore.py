@@ -1,19 +1,60 @@
-"""Loading a checkpoint's contents back into a model, an optimizer and the user's extras."""
+"""Loading a checkpoint's contents back into a model, an optimizer and the user's extras.
+
+Replicated entries (the model, a plain optimizer's state) are read once and broadcast
+(:mod:`.shared_reads`); sharded state and the extras are read only by the rank they belong to.
+A file holding several replicas loads each rank's own replica when the replica layout is the
+same as at save time, and otherwise the average of the replicas (see ``docs/checkpoints.md``).
+"""
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
 
 import torch
+from mpi4py import MPI
+
+from tensorplay_hpc.comm import agree
 
 from . import format as fmt
+from . import values
 from .optimizers import Checkpointable, adapter_for
 from .reader import Reader
+from .replicas import Replicas
+from .shared_reads import read_shared
 
 
-def model_state(reader: Reader, model: torch.nn.Module) -> None:
-    """Load every parameter and buffer; the names and shapes must match the model's."""
+def saved_replicas(reader: Reader) -> List[List[int]]:
+    """The replica groups at save time (one group of every rank in version 1 files)."""
+    saved = reader.decoded("", "replicas")
+    if saved is None:
+        return [list(range(int(reader.attribute("", "world_size", 1))))]
+    return [list(group) for group in saved]
+
+
+def combine(copies: List[torch.Tensor]) -> torch.Tensor:
+    """One value from the replicas' copies of an entry: the mean of floating-point ones (in
+    double precision), the first copy of anything else (step counters, integer buffers)."""
+    if len(copies) == 1 or not copies[0].is_floating_point():
+        return copies[0]
+    return torch.stack([c.double() for c in copies]).mean(0).to(copies[0].dtype)
+
+
+def prefixes(reader: Reader) -> List[str]:
+    """The folders of the file's replicas."""
+    count = len(saved_replicas(reader))
+    return [fmt.replica_prefix(j, count) for j in range(count)]
+
+
+def state_prefix(reader: Reader, prefix: str) -> str:
+    """``prefix`` if the optimizer state lies under the replica folders, else ``""`` (sharded
+    state is stored once)."""
+    return prefix if reader.has(f"{prefix}optimizer/state") else ""
+
+
+def check_model(reader: Reader, model: torch.nn.Module, prefix: str) -> List[str]:
+    """The model's entry names, once checked against the file's names and shapes."""
     expected = model.state_dict()
-    saved = set(reader.names("model"))
+    saved = set(reader.names(f"{prefix}model"))
     missing = [k for k in expected if k not in saved]
     unexpected = sorted(saved - set(expected))
     if missing or unexpected:
@@ -23,16 +64,41 @@ def model_state(reader: Reader, model: torch.nn.Module) -> None:
             + ("; " if missing and unexpected else "")
             + (f"not in the model: {unexpected[:5]}" if unexpected else ""))
     for key, tensor in expected.items():
-        shape = tuple(reader.shape(fmt.model_name(key)))
+        shape = tuple(reader.describe(fmt.model_name(key, prefix))[0])
         if shape != tuple(tensor.shape):
             raise fmt.CheckpointError(f"{reader.path}: model entry {key!r} has shape {shape} in "
                                       f"the file, {tuple(tensor.shape)} in the model")
-    loaded = {key: reader.tensor(fmt.model_name(key)) for key in expected}
-    model.load_state_dict(loaded)
+    return list(expected)
 
 
-def optimizer_state(reader: Reader, optimizer: Checkpointable, rank: int) -> None:
-    """Load the part of the optimizer state (and further optimizer datasets) this rank needs."""
+@dataclass
+class Plan:
+    """What this rank reads. ``shared`` entries are read over a communicator and combined from
+    the ``sources`` (replica folders); ``own`` ones by this rank alone."""
+
+    sources: List[str]
+    model_keys: List[str] = field(default_factory=list)
+    shared_state: Dict[int, List[str]] = field(default_factory=dict)   # index -> tensor keys
+    own_state: Dict[int, List[str]] = field(default_factory=dict)
+    state_prefix: str = ""
+    tensors: List[str] = field(default_factory=list)
+
+    def shared_names(self) -> List[str]:
+        names = [fmt.model_name(k, p) for p in self.sources for k in self.model_keys]
+        for p in self.sources:
+            prefix = p if self.state_prefix else ""
+            names += [fmt.state_name(i, k, prefix) for i, keys in self.shared_state.items()
+                      for k in keys]
+        return names
+
+
+def _plan(reader: Reader, sources: List[str], rank: int, model: Optional[torch.nn.Module],
+          optimizer: Optional[Checkpointable]) -> Plan:
+    plan = Plan(sources)
+    if model is not None:
+        plan.model_keys = check_model(reader, model, sources[0])
+    if optimizer is None:
+        return plan
     adapter = adapter_for(optimizer)
     saved_class = reader.attribute("optimizer", "class")
     if saved_class is None:
@@ -40,26 +106,31 @@ def optimizer_state(reader: Reader, optimizer: Checkpointable, rank: int) -> Non
     if saved_class != adapter.optimizer_class:
         raise fmt.CheckpointError(f"{reader.path}: the checkpoint holds {saved_class} state, "
                                   f"the optimizer is {adapter.optimizer_class}")
-    param_groups = reader.decoded("optimizer", "param_groups")
+    plan.state_prefix = state_prefix(reader, sources[0])
     indices = adapter.indices_to_read(rank)
-    if indices is None:
-        indices = sorted(int(i) for i in reader.names("optimizer/state"))
-    state: Dict[int, Dict[str, Any]] = {}
-    for index in indices:
-        node = f"optimizer/state/{index}"
-        if not reader.has(node):
-            continue
-        entry = dict(reader.decoded(node, default={}))
-        for key in reader.names(node):
-            entry[key] = reader.tensor(fmt.state_name(index, key))
-        state[index] = entry
-    tensors = {name: reader.tensor(name) for name in adapter.tensors_to_read(rank)
-               if reader.has(name)}
-    adapter.load(state, param_groups, reader.decoded("optimizer", "attributes", default={}),
-                 tensors)
+    listed = sorted(int(i) for i in reader.names(f"{plan.state_prefix}optimizer/state"))
+    target = plan.shared_state if indices is None else plan.own_state
+    for index in listed if indices is None else indices:
+        if reader.has(fmt.state_node(index, plan.state_prefix)):
+            target[index] = sorted(reader.names(fmt.state_node(index, plan.state_prefix)))
+    plan.tensors = [name for name in adapter.tensors_to_read(rank) if reader.has(name)]
+    return plan
 
 
-def extra_values(reader: Reader, rank: int) -> Dict[str, Any]:
+def _texts(reader: Reader, plan: Plan) -> Dict[str, Any]:
+    """The optimizer's non-tensor values (param_groups, attributes, each state's values)."""
+    texts = {"param_groups": reader.attribute("optimizer", "param_groups"),
+             "attributes": reader.attribute("optimizer", "attributes")}
+    for index in plan.shared_state:
+        texts[index] = reader.attribute(fmt.state_node(index, plan.state_prefix), "values")
+    return texts
+
+
+def _decode(text: Optional[str], default: Any) -> Any:
+    return default if text is None else values.loads(text)
+
+
+def _extra(reader: Reader, rank: int) -> Dict[str, Any]:
     """The extras saved by this rank, or by rank 0 when the file was saved on fewer ranks."""
     group = fmt.extra_group(rank)
     if not reader.has(group):
@@ -70,11 +141,65 @@ def extra_values(reader: Reader, rank: int) -> Dict[str, Any]:
     return extra
 
 
-def load_into(reader: Reader, rank: int, model: Optional[torch.nn.Module],
-              optimizer: Optional[Checkpointable]) -> Dict[str, Any]:
+def load_into(reader: Reader, comm: MPI.Intracomm, replicas: Replicas,
+              model: Optional[torch.nn.Module], optimizer: Optional[Checkpointable]) -> Dict[str, Any]:
+    """Load ``reader``'s checkpoint into ``model`` and ``optimizer``; return this rank's extras.
+    Collective over ``comm``. Nothing is loaded unless every rank read its part.
+
+    Raises:
+        CheckpointError: on every rank, naming the problem and the ranks that hit it.
+    """
+    rank, what = comm.Get_rank(), f"loading checkpoint {reader.path}"
     model = fmt.unwrap_model(model)
-    if model is not None:
-        model_state(reader, model)
-    if optimizer is not None:
-        optimizer_state(reader, optimizer, rank)
-    return extra_values(reader, rank)
+    error, plan, own_layout = None, None, False
+    try:
+        saved = saved_replicas(reader)
+        own_layout = len(saved) > 1 and saved == replicas.describe()
+        sources = [fmt.replica_prefix(replicas.index, len(saved))] if own_layout else prefixes(reader)
+        plan = _plan(reader, sources, rank, model, optimizer)
+    except Exception as failure:
+        error = failure
+    agree(comm, error, what, fmt.CheckpointError)
+
+    texts = comm.bcast(_texts(reader, plan) if rank == 0 and optimizer is not None else None,
+                       root=0)
+    sharing = comm.Split(replicas.index, rank) if own_layout else comm
+    try:
+        shared = read_shared(reader, plan.shared_names(), sharing)
+    finally:
+        if sharing is not comm:
+            sharing.Free()
+
+    error, extra = None, {}
+    try:
+        own = {name: reader.tensor(name) for name in plan.tensors}
+        own_state = {i: {k: reader.tensor(fmt.state_name(i, k)) for k in keys}
+                     for i, keys in plan.own_state.items()}
+        own_values = {i: reader.decoded(fmt.state_node(i), default={}) for i in plan.own_state}
+        extra = _extra(reader, rank)
+    except Exception as failure:
+        error = failure
+    agree(comm, error, what, fmt.CheckpointError)
+
+    error = None
+    try:
+        if model is not None:
+            model.load_state_dict({k: combine([shared[fmt.model_name(k, p)] for p in plan.sources])
+                                   for k in plan.model_keys})
+        if optimizer is not None:
+            state: Dict[int, Dict[str, Any]] = {}
+            for index, keys in plan.shared_state.items():
+                entry = dict(_decode(texts[index], {}))
+                for key in keys:
+                    entry[key] = combine([shared[fmt.state_name(index, key, p if plan.state_prefix
+                                                                else "")]
+                                          for p in plan.sources])
+                state[index] = entry
+            for index, tensors in own_state.items():
+                state[index] = {**own_values[index], **tensors}
+            adapter_for(optimizer).load(state, _decode(texts["param_groups"], []),
+                                        _decode(texts["attributes"], {}), own)
+    except Exception as failure:
+        error = failure
+    agree(comm, error, what, fmt.CheckpointError)
+    return extra

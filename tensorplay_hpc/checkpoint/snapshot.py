@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -11,6 +11,7 @@ import torch
 from . import format as fmt
 from . import values
 from .optimizers import Checkpointable, adapter_for, assign_writers
+from .replicas import Replicas
 
 
 @dataclass
@@ -40,27 +41,36 @@ def _step_of(extra: Optional[Dict[str, Any]], attrs: Dict[str, Any]) -> int:
     return -1
 
 
-def add_model(snap: Snapshot, entries: Dict[str, torch.Tensor], rank: int, size: int,
-              class_name: str) -> None:
-    """Model entries are replicated: the ranks split the writing by bytes."""
+def _share(sizes: Sequence[int], writers: Sequence[int]) -> List[int]:
+    """The writer (a rank of ``writers``) of each item, splitting the bytes evenly."""
+    return [writers[w] for w in assign_writers(sizes, len(writers))]
+
+
+def add_model(snap: Snapshot, entries: Dict[str, torch.Tensor], rank: int,
+              writers: Sequence[int], class_name: str, prefix: str = "") -> None:
+    """Model entries are replicated: the ranks of ``writers`` (those holding this copy) split
+    the writing by bytes."""
     items = list(entries.items())
-    writers = assign_writers([t.numel() * t.element_size() for _, t in items], size)
-    snap.datasets += [(fmt.model_name(k), t) for (k, t), w in zip(items, writers) if w == rank]
+    owners = _share([t.numel() * t.element_size() for _, t in items], writers)
+    snap.datasets += [(fmt.model_name(k, prefix), t) for (k, t), w in zip(items, owners)
+                      if w == rank]
     if rank == 0:
         snap.set("model", **{"class": class_name, "entries": len(items)})
 
 
 def add_optimizer(snap: Snapshot, state: Dict[int, Dict[str, Any]], rank: int, kind: str,
-                  optimizer_class: str, param_groups: List[dict], attributes: Dict[str, Any]) -> None:
-    """``state``: the state this rank writes, by global index; the rest is rank 0's to say."""
+                  optimizer_class: str, param_groups: List[dict], attributes: Dict[str, Any],
+                  prefix: str = "") -> None:
+    """``state``: the state this rank writes, by global index, under ``prefix``; the rest is
+    rank 0's to say."""
     for index, entry in sorted(state.items()):
         plain = {}
         for key, value in entry.items():
             if isinstance(value, torch.Tensor):
-                snap.datasets.append((fmt.state_name(index, str(key)), value))
+                snap.datasets.append((fmt.state_name(index, str(key), prefix), value))
             else:
                 plain[str(key)] = value
-        snap.set(f"optimizer/state/{index}", values=values.dumps(plain))
+        snap.set(fmt.state_node(index, prefix), values=values.dumps(plain))
     if rank == 0:
         snap.set("optimizer", **{"class": optimizer_class, "kind": kind,
                                  "param_groups": values.dumps(param_groups),
@@ -81,34 +91,40 @@ def add_extra(snap: Snapshot, extra: Optional[Dict[str, Any]], rank: int) -> Non
     snap.set(group, values=values.dumps(plain))
 
 
-def add_metadata(snap: Snapshot, rank: int, size: int, step: int) -> None:
+def add_metadata(snap: Snapshot, rank: int, size: int, step: int,
+                 replicas: Optional[List[List[int]]] = None) -> None:
     if rank == 0:
         snap.set("", format=fmt.FORMAT, format_version=fmt.FORMAT_VERSION,
                  package_version=_package_version(), torch_version=str(torch.__version__),
                  world_size=size, step=step,
+                 replicas=values.dumps(replicas or [list(range(size))]),
                  created=datetime.datetime.now(datetime.timezone.utc).isoformat())
 
 
-def take(rank: int, size: int, model: Optional[torch.nn.Module] = None,
+def take(rank: int, replicas: Replicas, model: Optional[torch.nn.Module] = None,
          optimizer: Optional[Checkpointable] = None,
          extra: Optional[Dict[str, Any]] = None) -> Snapshot:
     """This rank's share of the checkpoint of ``model``, ``optimizer`` and ``extra``.
 
-    Model entries are replicated, so the ranks split them by bytes; optimizer state (and the
-    parameter values of a DistributedOptimizer) follows the optimizer's own ownership; ``extra``
-    is saved per rank.
+    Model entries are replicated, so the ranks of each replica split the writing of their copy
+    by bytes; a replicated optimizer state likewise; sharded optimizer state (and the parameter
+    values of a DistributedOptimizer) follows the optimizer's own ownership; ``extra`` is saved
+    per rank.
     """
     snap = Snapshot()
+    size = sum(len(group) for group in replicas.groups)
     model = fmt.unwrap_model(model)
     if model is not None:
-        add_model(snap, model.state_dict(), rank, size, type(model).__qualname__)
+        add_model(snap, model.state_dict(), rank, replicas.members, type(model).__qualname__,
+                  replicas.prefix())
     attributes: Dict[str, Any] = {}
     if optimizer is not None:
         adapter = adapter_for(optimizer)
         attributes = adapter.attributes()
-        add_optimizer(snap, adapter.state_to_write(rank, size), rank, adapter.kind,
-                      adapter.optimizer_class, adapter.param_groups(), attributes)
+        add_optimizer(snap, adapter.state_to_write(rank, replicas.members), rank, adapter.kind,
+                      adapter.optimizer_class, adapter.param_groups(), attributes,
+                      replicas.prefix() if adapter.replicated else "")
         snap.datasets += adapter.tensors_to_write(rank).items()
     add_extra(snap, extra, rank)
-    add_metadata(snap, rank, size, _step_of(extra, attributes))
+    add_metadata(snap, rank, size, _step_of(extra, attributes), replicas.describe())
     return snap

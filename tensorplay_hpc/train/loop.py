@@ -101,15 +101,29 @@ class Run:
                   f"train, {self.corpus.validation.numel() / 1e6:.1f} MB validation; "
                   f"{config.steps} steps of {config.batch_size} x {config.context} bytes")
 
+    def _load_newest(self) -> Optional[tuple]:
+        """``(path, extras)`` of the newest checkpoint that loads (the ranks verify its checksums
+        together), passing over damaged ones; ``None`` if there is none. Collective."""
+        directory = str(self.config.checkpoint_dir)
+        paths = self.group.comm.bcast(checkpoint.checkpoints(directory) if self.group.rank == 0
+                                      else None, root=0)
+        for path in reversed(paths):
+            try:
+                return path, checkpoint.load(path, model=self.strategy.module,
+                                             optimizer=self.strategy.optimizer,
+                                             process_group=self.world,
+                                             replica_group=self.strategy.replica_group)
+            except checkpoint.CheckpointError as error:
+                self._say(f"--resume: passing over {path}: {error}")
+        return None
+
     def _resume(self) -> None:
-        path = checkpoint.latest(str(self.config.checkpoint_dir)) if self.group.rank == 0 else None
-        path = self.group.comm.bcast(path, root=0)
-        if path is None:
+        found = self._load_newest()
+        if found is None:
             self._say(f"--resume: no checkpoint in {self.config.checkpoint_dir}, "
                       "starting at step 0")
             return
-        extra = checkpoint.load(path, model=self.strategy.module, optimizer=self.strategy.optimizer,
-                                process_group=self.world)
+        path, extra = found
         self.config.check_resumable(extra["config"])
         self.history = History.from_extra(extra["history"])
         self.history.restarts.append(self.history.step)
@@ -135,12 +149,12 @@ class Run:
         step = self.history.step
         path = self.config.checkpoint_dir / f"step-{step:07d}.h5"
         started = time.perf_counter()
-        self.strategy.before_checkpoint()
         extra = {"step": step, "config": {**self.config.describe(), "ranks": self.group.size},
                  "history": self.history.to_extra()}
         self.last_checkpoint = checkpoint.save(
             str(path), model=self.strategy.module, optimizer=self.strategy.optimizer,
-            extra=extra, process_group=self.world, keep=self.config.keep or None)
+            extra=extra, process_group=self.world, keep=self.config.keep or None,
+            replica_group=self.strategy.replica_group)
         progress.say(f"checkpoint at step {step} ({reason}): {self.last_checkpoint} "
                      f"in {time.perf_counter() - started:.1f} s")
         self._write_outputs()

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Type
 
 import torch
+from mpi4py import MPI
 from torch import nn
 
 from tensorplay_hpc import comm
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
     PostLocalSGDState, post_localSGD_hook)
 from tensorplay_hpc.distributed.algorithms.model_averaging import averagers
-from tensorplay_hpc.distributed.algorithms.model_averaging.utils import average_parameters
 from tensorplay_hpc.distributed.optim import PostLocalSGDOptimizer, ZeroRedundancyOptimizer
 from tensorplay_hpc.distributed.parallel import DistributedDataParallel
 
@@ -58,14 +58,13 @@ class Strategy:
         if self._hook_state is not None:
             self._hook_state.iter = min(step, self._hook_state.start_localSGD_iter)
 
-    def before_checkpoint(self) -> None:
-        """Make the ranks' parameters equal before a checkpoint stores one copy of them.
-        Collective. Only post-local SGD across nodes lets them differ: it averages them here.
-        (The subgroup is the node, so every rank sees the same answer: all on one node or not.)"""
+    @property
+    def replica_group(self) -> Optional[MPI.Intracomm]:
+        """The ranks whose parameters and optimizer state equal this rank's at every step:
+        post-local SGD's subgroup (the node), since between averagings the nodes' replicas
+        differ; ``None`` (all ranks) for the other kinds. Checkpoints save one copy per group."""
         state = self._hook_state
-        if state is not None and state.subgroup is not None and \
-                state.subgroup.Get_size() < state.process_group.Get_size():
-            average_parameters(self.optimizer.param_groups, state.process_group)
+        return None if state is None else state.subgroup
 
 
 def _gradients_already_averaged() -> None:
