@@ -99,6 +99,9 @@ class ArrivalCounter:
             serve_all()
             pending = {rank: r for rank, r in pending.items() if not r.Test()}
             time.sleep(POLL_SECONDS / 10)
+        for request in pending.values():    # no late answer lands in ``answers`` once returned
+            request.Cancel()
+            request.Wait()
         return [None if rank in pending else int(answers[rank]) for rank in range(size)]
 
     def free(self) -> None:
