@@ -113,6 +113,8 @@ class ArrivalCounter:
 class _Watch:
     """The watchdog's view of one blocking collective while it runs."""
 
+    __slots__ = ("operation", "counter", "number", "started")
+
     def __init__(self, operation: str, counter: ArrivalCounter) -> None:
         self.operation, self.counter = operation, counter
 
