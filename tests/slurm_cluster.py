@@ -98,16 +98,14 @@ class SlurmCluster:
             (self.folder / sub).mkdir(parents=True)
         f = self.folder
         names = ",".join(self.names)
-        controller, node_lines = self.controller, []
-        for name in self.names:
-            node_lines.append(f"NodeName={name} CPUs={self.cpus} State=UNKNOWN")
-            if self.nodes is not None:  # reached at their bridge addresses
-                node_lines[-1] += f" NodeAddr={self.nodes.address(name)}"
-        if self.nodes is not None:
-            controller += f"({self.nodes.address(self.controller)})"
+
+        def address(name: str, form: str) -> str:
+            """``form`` around host ``name``'s bridge address on simulated nodes, else nothing."""
+            return "" if self.nodes is None else form.format(self.nodes.address(name))
+
         self.conf.write_text("\n".join([
             "ClusterName=tensorplay-test",
-            f"SlurmctldHost={controller}",
+            f"SlurmctldHost={self.controller}{address(self.controller, '({})')}",
             f"SlurmctldPort={_free_port()}",
             f"SlurmdPort={_free_port()}",
             "SlurmUser=root",
@@ -140,7 +138,8 @@ class SlurmCluster:
             "JobAcctGatherType=jobacct_gather/none",
             # The CPUs configured count, not those slurmd finds (simulated nodes share the cores).
             "SlurmdParameters=config_overrides",
-            *node_lines,
+            *(f"NodeName={name} CPUs={self.cpus} State=UNKNOWN{address(name, ' NodeAddr={}')}"
+              for name in self.names),
             f"PartitionName=test Nodes={names} Default=YES MaxTime=INFINITE "
             "OverSubscribe=YES State=UP",
             "",
@@ -182,9 +181,9 @@ class SlurmCluster:
         states = [state.rstrip("*") for state in result.stdout.split()]
         return result.returncode == 0 and states == ["idle"] * len(self.names)
 
-    def _on(self, name: str) -> List[str]:
-        """The prefix that runs a command on host ``name`` of this cluster."""
-        return [] if self.nodes is None else self.nodes.enter(name)
+    def _on(self, name: str, wd: Optional[str] = None) -> List[str]:
+        """The prefix that runs a command on host ``name`` of this cluster (in folder ``wd``)."""
+        return [] if self.nodes is None else self.nodes.enter(name, wd)
 
     def _start_daemon(self, name: str, command: List[str], log: str) -> None:
         self._daemons.append(subprocess.Popen(
@@ -237,12 +236,11 @@ class SlurmCluster:
         return env if self.nodes is None else self.nodes.job_env(env)
 
     def run(self, command: List[str], **kwargs) -> subprocess.CompletedProcess:
-        """Run a Slurm client command against this cluster (on simulated nodes, in the
-        launcher, in folder ``cwd``)."""
+        """Run a Slurm client command against this cluster, on its controller's host (the
+        launcher of simulated nodes)."""
         env = self.env(kwargs.pop("env", None))
-        if self.nodes is not None:
-            cwd = kwargs.pop("cwd", None)
-            command = [*self.nodes.enter(wd=cwd and str(cwd)), *command]
+        cwd = kwargs.get("cwd")
+        command = [*self._on(self.controller, cwd and str(cwd)), *command]
         return _run(command, env=env, timeout=kwargs.pop("timeout", 60), **kwargs)
 
     def sbatch(self, arguments: List[str], **kwargs) -> str:
