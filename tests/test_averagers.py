@@ -3,6 +3,7 @@ from collections import OrderedDict
 
 import pytest
 import torch
+from launch import mpiexec, only_in_single_rank_run
 from mpi4py import MPI
 
 from tensorplay_hpc.distributed.algorithms.model_averaging import averagers, utils
@@ -89,20 +90,114 @@ def test_subgroup_averages_others_keep_values(world):
         sub.Free()
 
 
+def _node_pattern(communicator):
+    """Each rank's node as the index of its first appearance, from the processor names (the
+    hosts): ``(0, 0, 1, 1)`` for nodes of consecutive ranks, ``(0, 1, 0, 1)`` for
+    ``--map-by node``."""
+    hosts = communicator.allgather(MPI.Get_processor_name())
+    return tuple(list(dict.fromkeys(hosts)).index(host) for host in hosts)
+
+
+def _members(communicator):
+    """The world ranks of ``communicator``, in its rank order."""
+    return list(communicator.Get_group().Translate_ranks(
+        list(range(communicator.Get_size())), MPI.COMM_WORLD.Get_group()))
+
+
+# World ranks interleaved, so that on two nodes of consecutive ranks the group's nodes are not.
+INTERLEAVED = [0, 2, 1, 3]
+
+# The level of 2 ranks under HierarchicalModelAverager(OrderedDict([(2, 2), (4, 4)])), in world
+# ranks, for each node layout of the world and order of the group's ranks: blocks of consecutive
+# group ranks where the nodes are consecutive in the group, else the nodes themselves.
+PAIRS = {
+    ((0, 0, 0, 0), "world"): [[0, 1], [2, 3]],
+    ((0, 0, 0, 0), "interleaved"): [[0, 2], [1, 3]],
+    ((0, 0, 1, 1), "world"): [[0, 1], [2, 3]],
+    ((0, 0, 1, 1), "interleaved"): [[0, 1], [2, 3]],
+    ((0, 1, 0, 1), "world"): [[0, 2], [1, 3]],
+    ((0, 1, 0, 1), "interleaved"): [[0, 2], [1, 3]],
+}
+
+
 @pytest.mark.mpi(min_size=4)
-def test_hierarchical_schedule_and_groups(world):
+@pytest.mark.parametrize("order", ["world", "interleaved"])
+def test_hierarchical_schedule_and_groups_follow_nodes(world, order):
     if world.Get_size() != 4:
-        pytest.skip("the schedule below is written for 4 ranks")
+        pytest.skip("the layouts below are written for 4 ranks")
     rank = world.Get_rank()
-    averager = HierarchicalModelAverager(OrderedDict([(2, 2), (4, 4)]), warmup_steps=10)
-    pair, whole = averager.period_process_group_dict[2], averager.period_process_group_dict[4]
-    members = pair.Get_group().Translate_ranks(list(range(2)), world.Get_group())
-    assert list(members) == [2 * (rank // 2), 2 * (rank // 2) + 1]
-    assert whole.Get_size() == 4
-    pair_mean = 0.5 if rank < 2 else 2.5
-    assert _averaged_steps(averager, world) == {10: pair_mean, 12: 1.5, 14: pair_mean,
-                                                 16: 1.5, 18: pair_mean}
+    group = world if order == "world" else world.Split(0, INTERLEAVED.index(rank))
+    layout = _node_pattern(world)
+    if (layout, order) not in PAIRS:
+        pytest.skip(f"no expectation written for the node layout {layout}")
+    averager = HierarchicalModelAverager(OrderedDict([(2, 2), (4, 4)]), warmup_steps=1,
+                                         process_group=group)
+    pair = next(p for p in PAIRS[layout, order] if rank in p)
+    assert sorted(_members(averager.period_process_group_dict[2])) == pair
+    assert averager.period_process_group_dict[4].Get_size() == 4
+    # Parameters 10**rank: a pair averages to exactly (10**a + 10**b) / 2, the world to 277.75.
+    pair_mean = {(0, 1): 5.5, (2, 3): 550.0, (0, 2): 50.5, (1, 3): 505.0}[tuple(pair)]
+    p = _param(0, torch.float64)
+    seen = {}
+    for step in range(7):
+        p.data.fill_(10.0 ** rank)
+        averager.average_parameters([p])
+        seen[step] = p[0].item()
+    own = 10.0 ** rank
+    assert seen == {0: own, 1: own, 2: pair_mean, 3: own, 4: 277.75, 5: own, 6: pair_mean}
     averager.close()
+    if group is not world:
+        group.Free()
+
+
+@pytest.mark.mpi(min_size=6)
+def test_hierarchical_six_ranks_by_node(world):
+    """Run by :func:`test_hierarchical_layouts_across_nodes`: 6 ranks, ``--map-by node`` on 2
+    nodes, so node n1 holds ranks 0, 2, 4 and node n2 ranks 1, 3, 5."""
+    if world.Get_size() != 6 or _node_pattern(world) != (0, 1, 0, 1, 0, 1):
+        pytest.skip("written for 6 ranks placed by node on 2 nodes")
+    rank = world.Get_rank()
+    averager = HierarchicalModelAverager(OrderedDict([(2, 3), (4, 6)]))
+    node = [0, 2, 4] if rank % 2 == 0 else [1, 3, 5]
+    assert _members(averager.period_process_group_dict[2]) == node
+    p = _param(0, torch.float64)
+    seen = {}
+    for step in range(5):
+        p.data.fill_(10.0 ** rank)
+        averager.average_parameters([p])
+        seen[step] = p[0].item()
+    node_mean = 10101.0 / 3 if rank % 2 == 0 else 101010.0 / 3
+    own = 10.0 ** rank
+    assert seen == {0: 111111.0 / 6, 1: own, 2: node_mean, 3: own, 4: 111111.0 / 6}
+    averager.close()
+    # Pairs can neither split nor join nodes of 3 ranks spread over the ranks: every rank refuses.
+    with pytest.raises(ValueError, match=r"Groups of 2 ranks cannot follow nodes of 3 ranks whose "
+                                         r"ranks are not consecutive \(nodes \[\[0, 2, 4\], "
+                                         r"\[1, 3, 5\]\]\)"):
+        HierarchicalModelAverager(OrderedDict([(2, 2), (4, 6)]))
+    # World ranks 0, 1, 2, 4: nodes of 3 and 1 ranks, not consecutive in the group.
+    members = [0, 1, 2, 4]
+    group = world.Split(0 if rank in members else MPI.UNDEFINED, rank)
+    if rank in members:
+        with pytest.raises(ValueError, match=r"Groups of 2 ranks cannot follow nodes of "
+                                             r"different sizes .*\[\[0, 2, 3\], \[1\]\]"):
+            HierarchicalModelAverager(OrderedDict([(2, 2), (4, 4)]), process_group=group)
+        one_level = HierarchicalModelAverager({2: 4}, process_group=group)
+        q = _param(0, torch.float64)
+        q.data.fill_(10.0 ** rank)
+        one_level.average_parameters([q])
+        assert q[0].item() == 10111.0 / 4
+        one_level.close()
+        group.Free()
+
+
+@only_in_single_rank_run
+def test_hierarchical_layouts_across_nodes(simulated_nodes):
+    result = mpiexec(6, ["-m", "pytest", "--with-mpi", "-q", "-p", "no:cacheprovider",
+                         f"{__file__}::test_hierarchical_six_ranks_by_node"],
+                     nodes=simulated_nodes, flags=["--map-by", "node"], timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 passed" in result.stdout, result.stdout
 
 
 @pytest.mark.mpi(min_size=2)
@@ -174,6 +269,10 @@ def test_periodic_matches_torch(world, gloo):
 def test_hierarchical_matches_torch(world, gloo):
     from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import (
         HierarchicalModelAverager as TorchHierarchical)
+    layout = _node_pattern(world)
+    if list(layout) != sorted(layout):
+        pytest.skip("PyTorch's subgroups are blocks of consecutive ranks, ours follow the nodes, "
+                    "which are not consecutive here")
     size = world.Get_size()
     levels = OrderedDict([(2, size // 2), (3, size)])
     _torch_and_ours(world, gloo, lambda: TorchHierarchical(levels, warmup_steps=3),

@@ -232,9 +232,9 @@ def test_post_local_sgd_hook_phases(world, subgroup):
         local_ranks = _world_ranks(pairs)
     elif subgroup == "node":
         state = PostLocalSGDState(None, None, start_localSGD_iter=2)
-        node = world.Split_type(MPI.COMM_TYPE_SHARED)
-        local_ranks = _world_ranks(node)
-        node.Free()
+        # The ranks on this rank's host, consecutive or not (``--map-by node``).
+        hosts = world.allgather(MPI.Get_processor_name())
+        local_ranks = [r for r, host in enumerate(hosts) if host == hosts[rank]]
         assert _world_ranks(state.subgroup) == local_ranks
     else:
         state = PostLocalSGDState(None, None, start_localSGD_iter=2,

@@ -58,7 +58,12 @@ def test_periodic_equals_local_step_then_average(world):
 def test_hierarchical_equals_local_step_then_average(world):
     rank, size = world.Get_rank(), world.Get_size()
     half = max(size // 2, 1)
-    pairs = world.Split(rank // half, rank)
+    # The averager's groups of ``half`` ranks: consecutive ranks, unless the nodes are not
+    # consecutive (``--map-by node``), where they are the nodes.
+    hosts = world.allgather(MPI.Get_processor_name())
+    consecutive = hosts == sorted(hosts, key=hosts.index)
+    assert consecutive or hosts.count(hosts[rank]) == half
+    pairs = world.Split(rank // half if consecutive else hosts.index(hosts[rank]), rank)
 
     def group_for_step(step):
         if step < 6:

@@ -11,6 +11,7 @@
 - :mod:`.agreement` turns a failure on one rank into the same error on all;
 - :mod:`.consistency`, :mod:`.watchdog` and :mod:`.abort` keep a diverging rank from hanging
   the others;
+- :mod:`.node_layout` tells which ranks share a node, and forms groups that follow the nodes;
 - :mod:`.cuda` decides how GPU memory reaches MPI and which GPU a rank uses;
 - :mod:`.capabilities` says what MPI can do between a communicator's ranks (thread level, one
   node, one-sided windows).
@@ -26,15 +27,17 @@ from .cuda import CUDA_AWARE_ENV, device_for_rank, is_cuda_aware, local_rank
 from .dtypes import ReduceOp
 from .flat_buffer import FlatBuffer, group_by_dtype_device, pack_by_dtype_device
 from .group import ProcessGroup, is_member, resolve
+from .node_layout import NodeLayout
 from .private import private_comm
 from .staging import Staged, memory
 from .work import Work
 
 __all__ = [
-    "CHUNK_ENV", "CUDA_AWARE_ENV", "FlatBuffer", "PIECE_ENV", "ProcessGroup", "ReduceOp", "Staged",
-    "Work", "abort_on_exception", "agree", "all_gather", "all_gather_v", "all_reduce",
-    "all_reduce_coalesced", "broadcast", "broadcast_coalesced", "capabilities",
-    "check_consistent", "chunk_elements", "chunks", "device_for_rank", "gather", "group_by_dtype_device",
-    "is_cuda_aware", "is_member", "local_rank", "memory", "pack_by_dtype_device", "piece_elements",
-    "private_comm", "reduce_scatter", "resolve", "tensor_signature",
+    "CHUNK_ENV", "CUDA_AWARE_ENV", "FlatBuffer", "NodeLayout", "PIECE_ENV", "ProcessGroup",
+    "ReduceOp", "Staged", "Work", "abort_on_exception", "agree", "all_gather", "all_gather_v",
+    "all_reduce", "all_reduce_coalesced", "broadcast", "broadcast_coalesced", "capabilities",
+    "check_consistent", "chunk_elements", "chunks", "device_for_rank", "gather",
+    "group_by_dtype_device", "is_cuda_aware", "is_member", "local_rank", "memory",
+    "pack_by_dtype_device", "piece_elements", "private_comm", "reduce_scatter", "resolve",
+    "tensor_signature",
 ]

@@ -24,8 +24,11 @@ class HierarchicalModelAverager(ModelAverager):
     whose period divides ``s`` chooses the group that averages; no entry dividing ``s`` means no
     averaging. As in PyTorch, the period test is on ``s`` itself, not on ``s - warmup_steps``.
 
-    Subgroups are blocks of contiguous ranks of the process group (``comm.Split``), like
-    ``torch.distributed.new_subgroups``. Collective: construct it and call
+    Subgroups follow the nodes (:meth:`comm.NodeLayout.block`): when each node holds
+    consecutive ranks (one node, or the default placement by slot) they are blocks of
+    contiguous ranks, like ``torch.distributed.new_subgroups``; otherwise (``--map-by node``)
+    a group size equal to the ranks per node gives the nodes themselves, a divisor of it splits
+    each node, and a multiple of it joins whole nodes. Collective: construct it and call
     :meth:`average_parameters` on every rank of the group.
 
     Args:
@@ -38,9 +41,11 @@ class HierarchicalModelAverager(ModelAverager):
         period_process_group_dict: ``{period: communicator}`` of this rank's group per level.
 
     Raises:
-        ValueError: an empty dict, a period below 1, a group size that is not positive, larger
-            than the group or does not divide it, a last size other than the group's size,
-            or ``warmup_steps < 0``.
+        ValueError: an empty dict, a period below 1, a group size that is not positive or does
+            not divide the group's size, a last size other than the group's size, a size that
+            cannot follow nodes whose ranks are not consecutive (nodes of different sizes, or a
+            size neither a divisor nor a multiple of the ranks per node), or
+            ``warmup_steps < 0``. Every rank raises the same error.
     """
 
     def __init__(self, period_group_size_dict: Optional[Dict[int, int]] = None,
@@ -74,21 +79,19 @@ class HierarchicalModelAverager(ModelAverager):
             raise ValueError(f"The last value in arg ``period_group_size_dict`` ({sizes[-1]}) "
                              f"must be equal to the size of arg ``process_group`` ({total}) "
                              f"(world rank {rank}).")
-        for size in sizes:
-            if size < 1 or size > total or total % size:
-                raise ValueError(f"Group size {size} in arg ``period_group_size_dict`` must be "
-                                 f"positive and divide the process group's size {total} "
-                                 f"(world rank {rank}).")
-        for period, size in period_group_size_dict.items():
-            self.period_process_group_dict[period] = self._level(size)
+        layout = comm.NodeLayout(self._group.comm)
+        blocks = [layout.block(size) for size in sizes]   # all checked before any Split
+        for period, size, block in zip(periods, sizes, blocks):
+            self.period_process_group_dict[period] = self._level(size, block)
 
-    def _level(self, size: int) -> MPI.Comm:
-        """This rank's communicator among blocks of ``size`` contiguous ranks. Collective."""
+    def _level(self, size: int, block: int) -> MPI.Comm:
+        """This rank's communicator among the groups of ``size`` ranks, in group ``block``.
+        Collective."""
         if size == self._group.size:
             return self._group.comm
-        block = self._group.comm.Split(self._group.rank // size, self._group.rank)
-        owned = comm.ProcessGroup(block)
-        block.Free()
+        split = self._group.comm.Split(block, self._group.rank)
+        owned = comm.ProcessGroup(split)
+        split.Free()
         self._subgroups.append(owned)
         return owned.comm
 
