@@ -23,7 +23,8 @@ class PostLocalSGDState:
     Args:
         process_group: the global group of the warm-up (``None`` is ``MPI.COMM_WORLD``).
         subgroup: the group that averages gradients after the warm-up; ``None`` is the ranks
-            sharing this node (``Split_type(COMM_TYPE_SHARED)`` of ``process_group``).
+            sharing this node (``Split_type(COMM_TYPE_SHARED)`` of ``process_group``), whether
+            or not the node's ranks are consecutive (``--map-by node``).
         start_localSGD_iter: the number of iterations with global averaging.
         post_local_gradient_allreduce: ``False`` leaves gradients purely local after the
             warm-up (no subgroup at all).
