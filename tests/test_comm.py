@@ -293,6 +293,20 @@ def test_local_rank_and_device(world):
         assert comm.device_for_rank(world) == torch.device("cpu")
 
 
+def test_node_layout_matches_hosts(world):
+    rank = world.Get_rank()
+    hosts = world.allgather(MPI.Get_processor_name())
+    expected = [tuple(r for r, h in enumerate(hosts) if h == host) for host in dict.fromkeys(hosts)]
+    layout = comm.NodeLayout(world)
+    assert layout.nodes == tuple(expected)
+    assert layout.nodes[layout.node].index(rank) == layout.node_rank
+    assert layout.contiguous == (hosts == sorted(hosts, key=hosts.index))
+    assert layout.node_size == (len(expected[0]) if len(set(map(len, expected))) == 1 else None)
+    assert layout.block(1) == rank and layout.block(world.Get_size()) == 0
+    if layout.contiguous and world.Get_size() % 2 == 0:
+        assert layout.block(2) == rank // 2
+
+
 @pytest.mark.mpi(min_size=2)
 def test_sub_communicator_from_split(world, chunking):
     color = world.Get_rank() % 2
