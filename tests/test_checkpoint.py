@@ -1,5 +1,6 @@
 """Checkpoints: round trips for each optimizer, continuing equals an uninterrupted run, the
 file format, export/import with plain torch, bad input, failed saves."""
+import json
 import os
 
 import h5py
@@ -167,6 +168,7 @@ def test_file_format_is_plain_hdf5(folder):
             assert f.attrs["format"] == fmt.FORMAT
             assert f.attrs["format_version"] == fmt.FORMAT_VERSION
             assert f.attrs["world_size"] == WORLD.Get_size()
+            assert json.loads(f.attrs["replicas"]) == [list(range(WORLD.Get_size()))]
             assert f.attrs["step"] == 12
             assert f.attrs["torch_version"] == torch.__version__
             weight = f["model/0.weight"]
@@ -257,3 +259,125 @@ def test_bad_checkpoints_give_clear_errors(folder):
         assert f"failed on {failed}" in str(raised.value)
     # A bad file among good ones is skipped when looking for the newest.
     assert checkpoint.latest(folder) == good
+
+
+# -- who reads what: bytes read per rank, replicas -----------------------------------------------
+
+class Four(torch.nn.Module):
+    """Four float32 parameters of 100 values: 400 bytes each, and 804 bytes of Adam state each
+    (exp_avg, exp_avg_sq and a 4-byte step) after one step."""
+
+    def __init__(self, offset=0.0):
+        super().__init__()
+        self.p = torch.nn.ParameterList(
+            [torch.nn.Parameter(torch.full((100,), i + offset)) for i in range(4)])
+
+
+def adam_step(model, gradient=1.0, optimizer_class=torch.optim.Adam):
+    optimizer = optimizer_class(model.parameters(), lr=0.01)
+    for i, p in enumerate(model.parameters()):
+        p.grad = torch.full_like(p, gradient * (i + 1))
+    optimizer.step()
+    return optimizer
+
+
+def bytes_read_loading(path, model, optimizer, replica_group=None):
+    """Load as ``checkpoint.load`` does; every rank's count of dataset bytes it read."""
+    from tensorplay_hpc.checkpoint import restore
+    from tensorplay_hpc.checkpoint.replicas import Replicas
+    replicas = Replicas(WORLD, replica_group)
+    with checkpoint.Reader(path) as reader:
+        restore.load_into(reader, WORLD, replicas, model, optimizer)
+        return WORLD.allgather(reader.bytes_read)
+
+
+def state_tensors(optimizer):
+    """The tensor state, by parameter index and key."""
+    state = optimizer.state_dict()["state"]
+    return [state[i][k] for i in sorted(state) for k in sorted(state[i])]
+
+
+def test_replicated_entries_are_read_once_in_total(folder):
+    model = Four()
+    optimizer = adam_step(model)
+    path = checkpoint.save(os.path.join(folder, "read-once.h5"), model, optimizer)
+    resumed = Four(offset=5.0)
+    again = adam_step(resumed, gradient=3.0)
+    counts = bytes_read_loading(path, resumed, again)
+    # 4 x 400 model bytes + 4 x 804 state bytes = 4816, split by bytes between the ranks.
+    assert counts == {1: [4816], 2: [2408, 2408], 4: [1204] * 4}[WORLD.Get_size()]
+    assert all(torch.equal(a, b) for a, b in zip(params(model), params(resumed)))
+    assert all(torch.equal(a, b) for a, b in zip(state_tensors(optimizer), state_tensors(again)))
+
+
+def test_sharded_state_is_read_only_by_its_owner(folder):
+    model = Four()
+    optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.01)
+    for i, p in enumerate(model.parameters()):
+        p.grad = torch.full_like(p, i + 1.0)
+    optimizer.step()
+    path = checkpoint.save(os.path.join(folder, "sharded.h5"), model, optimizer)
+    resumed = Four(offset=5.0)
+    again = ZeroRedundancyOptimizer(resumed.parameters(), torch.optim.Adam, lr=0.01)
+    counts = bytes_read_loading(path, resumed, again)
+    n = WORLD.Get_size()
+    owned = [again.partition.rank_of.count(r) for r in range(n)]
+    assert owned == {1: [4], 2: [2, 2], 4: [1] * 4}[n]
+    # The model's 1600 bytes split between the ranks, plus 804 bytes per parameter owned.
+    assert counts == {1: [4816], 2: [2408, 2408], 4: [1204] * 4}[n]
+    assert all(torch.equal(a, b) for a, b in zip(params(model), params(resumed)))
+    assert all(torch.equal(a, b) for a, b in zip(state_tensors(optimizer.optim),
+                                                 state_tensors(again.optim)))
+
+
+def test_each_replica_resumes_its_own_copy_and_other_layouts_their_average(folder):
+    n, rank = WORLD.Get_size(), WORLD.Get_rank()
+    color = rank * 2 // n                    # replicas [0] | [0], [1] | [0, 1], [2, 3]
+    replica = WORLD.Split(color, rank)
+    model = Four(offset=10.0 * color)
+    optimizer = adam_step(model, gradient=1.0 + color)
+    path = checkpoint.save(os.path.join(folder, "replicas.h5"), model, optimizer,
+                           replica_group=replica)
+    with h5py.File(path, "r") as f:
+        groups = [[0]] if n == 1 else [list(range(n // 2)), list(range(n // 2, n))]
+        assert json.loads(f.attrs["replicas"]) == groups
+        assert ("replica1/model/p.0" in f) == (n > 1) and ("model/p.0" in f) == (n == 1)
+
+    own = Four(offset=-1.0)
+    own_optimizer = adam_step(own, gradient=7.0)
+    counts = bytes_read_loading(path, own, own_optimizer, replica)
+    # each replica's 4816 bytes, split between the ranks holding it
+    assert counts == {1: [4816], 2: [4816, 4816], 4: [2408] * 4}[n]
+    assert all(torch.equal(a, b) for a, b in zip(params(model), params(own)))
+    assert all(torch.equal(a, b) for a, b in zip(state_tensors(optimizer),
+                                                 state_tensors(own_optimizer)))
+
+    averaged = Four(offset=-1.0)
+    averaged_optimizer = adam_step(averaged, gradient=7.0)
+    counts = bytes_read_loading(path, averaged, averaged_optimizer)   # one group: another layout
+    assert counts == {1: [4816], 2: [4816, 4816], 4: [2408] * 4}[n]
+    copies = WORLD.allgather((params(model), state_tensors(optimizer)))
+    first, last = copies[0], copies[-1]      # one rank of each replica
+    for mine, a, b in zip(params(averaged) + state_tensors(averaged_optimizer),
+                          first[0] + first[1], last[0] + last[1]):
+        expected = ((a.double() + b.double()) / 2).to(a.dtype)
+        assert torch.equal(mine, expected)
+    if n > 1:
+        assert params(averaged)[0][0].item() == pytest.approx(4.99, abs=1e-6)   # (-0.01 + 9.99) / 2
+    replica.Free()
+
+
+def test_version_1_files_still_load(folder):
+    model = Four()
+    optimizer = adam_step(model)
+    path = checkpoint.save(os.path.join(folder, "v1.h5"), model, optimizer)
+    if WORLD.Get_rank() == 0:
+        with h5py.File(path, "r+") as f:      # as version 1 wrote it: no replicas attribute
+            del f.attrs["replicas"]
+            f.attrs["format_version"] = 1
+    WORLD.Barrier()
+    resumed = Four(offset=5.0)
+    again = adam_step(resumed, gradient=3.0)
+    checkpoint.load(path, resumed, again)
+    assert all(torch.equal(a, b) for a, b in zip(params(model), params(resumed)))
+    assert all(torch.equal(a, b) for a, b in zip(state_tensors(optimizer), state_tensors(again)))

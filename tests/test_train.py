@@ -133,13 +133,38 @@ def test_signal_checkpoint_and_resume_reproduce_an_uninterrupted_run(shared_dir,
 
 # -- the program under mpiexec --------------------------------------------------------------------
 
-def run_to_end(tmp_path: Path, options, run_dir: Path, *more: str) -> subprocess.CompletedProcess:
-    """Run the program on 2 ranks to its end; it must succeed."""
-    result = subprocess.run(train_command(2, *options, "--run-dir", str(run_dir), *more),
+def run_to_end(tmp_path: Path, options, run_dir: Path, *more: str, ranks: int = 2,
+               nodes=None) -> subprocess.CompletedProcess:
+    """Run the program on ``ranks`` ranks (across ``nodes`` when given) to its end; it must
+    succeed."""
+    result = subprocess.run(train_command(ranks, *options, "--run-dir", str(run_dir), *more,
+                                          nodes=nodes),
                             cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     return result
+
+
+def preempt_after_checkpoint(tmp_path: Path, options, run_dir: Path, step: int, ranks: int = 2,
+                             nodes=None) -> int:
+    """Run the program, send SIGUSR1 to mpiexec (which forwards it to every rank) once the
+    checkpoint of ``step`` is written; return the step it stopped at, checkpointed."""
+    job = subprocess.Popen(train_command(ranks, *options, "--run-dir", str(run_dir), nodes=nodes),
+                           cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    seen = []
+    for line in job.stdout:
+        seen.append(line)
+        if f"checkpoint at step {step} " in line:
+            job.send_signal(signal.SIGUSR1)
+            break
+    seen.extend(job.stdout)
+    assert job.wait(timeout=300) == EXIT_PREEMPTED, "".join(seen)
+    output = "".join(seen)
+    assert "SIGUSR1: stopping at step" in output and "(preempted)" in output
+    stopped_at = len(losses(run_dir))
+    assert (run_dir / "checkpoints" / f"step-{stopped_at:07d}.h5").exists()
+    return stopped_at
 
 
 @pytest.mark.skipif(not single_rank(), reason=ONLY_UNDER_ONE_RANK)
@@ -154,24 +179,43 @@ def test_program_on_two_ranks_stops_on_sigusr1_and_resumes_exactly(tmp_path):
     assert (tmp_path / "whole" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     run_dir = tmp_path / "parts"
-    job = subprocess.Popen(train_command(2, *options, "--run-dir", str(run_dir)), cwd=tmp_path,
-                           env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True)
-    seen = []
-    for line in job.stdout:
-        seen.append(line)
-        if "checkpoint at step 5 " in line:
-            job.send_signal(signal.SIGUSR1)  # to mpiexec, which forwards it to both ranks
-            break
-    seen.extend(job.stdout)
-    assert job.wait(timeout=300) == EXIT_PREEMPTED, "".join(seen)
-    output = "".join(seen)
-    assert "SIGUSR1: stopping at step" in output and "(preempted)" in output
-    stopped_at = len(losses(run_dir))
+    stopped_at = preempt_after_checkpoint(tmp_path, options, run_dir, 5)
     assert 5 < stopped_at < 80
-    assert (run_dir / "checkpoints" / f"step-{stopped_at:07d}.h5").exists()
 
     resumed = run_to_end(tmp_path, options, run_dir, "--resume")
+    assert f"at step {stopped_at}" in resumed.stdout
+    assert losses(run_dir) == expected
+    assert restarts(run_dir) == [stopped_at + 1]
+
+
+def replicas_differ(path: Path) -> bool:
+    """Whether the checkpoint holds two replicas whose model parameters differ."""
+    with checkpoint.Reader(str(path)) as reader:
+        names = reader.names("replica0/model")
+        assert names and names == reader.names("replica1/model")
+        return any(not torch.equal(reader.tensor(f"replica0/model/{n}"),
+                                   reader.tensor(f"replica1/model/{n}")) for n in names)
+
+
+@pytest.mark.skipif(not single_rank(), reason=ONLY_UNDER_ONE_RANK)
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("optimizer", ["local", "ddp", "zero", "postlocal"])
+def test_program_on_two_nodes_resumes_exactly(tmp_path, simulated_nodes, optimizer):
+    """2 nodes x 2 ranks; post-local SGD averages the nodes' replicas at steps 8 and 16 only,
+    so any stop after the warm-up (2 steps) and before step 8 falls between averagings."""
+    options = ["--optimizer", optimizer, "--steps", "16", "--checkpoint-every", "4",
+               "--warmup-steps", "2", "--average-period", "8"]
+    run_to_end(tmp_path, options, tmp_path / "whole", ranks=4, nodes=simulated_nodes)
+    expected = losses(tmp_path / "whole")
+    assert len(expected) == 16
+
+    run_dir = tmp_path / "parts"
+    stopped_at = preempt_after_checkpoint(tmp_path, options, run_dir, 4, ranks=4,
+                                          nodes=simulated_nodes)
+    assert 4 < stopped_at < 16
+    if optimizer == "postlocal" and stopped_at < 8:
+        assert replicas_differ(run_dir / "checkpoints" / f"step-{stopped_at:07d}.h5")
+    resumed = run_to_end(tmp_path, options, run_dir, "--resume", ranks=4, nodes=simulated_nodes)
     assert f"at step {stopped_at}" in resumed.stdout
     assert losses(run_dir) == expected
     assert restarts(run_dir) == [stopped_at + 1]
