@@ -364,6 +364,11 @@ def test_each_replica_resumes_its_own_copy_and_other_layouts_their_average(folde
         assert torch.equal(mine, expected)
     if n > 1:
         assert params(averaged)[0][0].item() == pytest.approx(4.99, abs=1e-6)   # (-0.01 + 9.99) / 2
+    if rank == 0:                            # export gives the same combination
+        cli.export(path, os.path.join(folder, "replicas.pt"))
+        exported = torch.load(os.path.join(folder, "replicas.pt"), weights_only=True)
+        assert all(torch.equal(exported["model"][k], v) for k, v in averaged.state_dict().items())
+    WORLD.Barrier()
     replica.Free()
 
 

@@ -1,7 +1,9 @@
 """Checkpoints of ZeRO-Adam over the benchmark MLP: our parallel HDF5 save and load against
 PyTorch's path (ZeroRedundancyOptimizer.consolidate_state_dict on rank 0, then torch.save; on
 load, torch.load and load_state_dict on every rank), and our write bandwidth against a raw h5py
-``mpio`` write of the same bytes (each rank writes its share of one dataset)."""
+``mpio`` write of the same bytes (each rank writes its share of one dataset). For a replicated
+(plain Adam) checkpoint, the load's bytes read per rank and time against every rank reading the
+whole file (the loader before replicated entries were read once and broadcast) and torch.load."""
 from __future__ import annotations
 
 import os
@@ -15,6 +17,8 @@ from mpi4py import MPI
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
 
 from tensorplay_hpc import checkpoint
+from tensorplay_hpc.checkpoint import restore
+from tensorplay_hpc.checkpoint.replicas import Replicas
 from tensorplay_hpc.bench.gloo import init_gloo
 from tensorplay_hpc.bench.models import mlp
 from tensorplay_hpc.bench.report import Report
@@ -44,6 +48,51 @@ def _raw_write(path: str, nbytes: int, world: MPI.Intracomm):
         with h5py.File(path, "w", driver="mpio", comm=world) as f:
             f.create_dataset("data", shape=(n,), dtype=np.float32)[start:stop] = data
     return write
+
+
+def _bytes_read(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                world: MPI.Intracomm) -> int:
+    """The most dataset bytes one rank reads while loading ``path``."""
+    with checkpoint.Reader(path) as reader:
+        restore.load_into(reader, world, Replicas(world), model, optimizer)
+        return world.allreduce(reader.bytes_read, op=MPI.MAX)
+
+
+def _every_rank_reads(path: str, world: MPI.Intracomm):
+    """Every rank reads and checks every dataset of the file, as loads did before."""
+    def read() -> int:
+        with checkpoint.Reader(path) as reader:
+            reader.verify()
+            world.Barrier()
+            return reader.bytes_read
+    return read
+
+
+def _replicated_load(report: Report, folder: str, world: MPI.Intracomm) -> None:
+    model = mlp()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    _stepped(model, optimizer)
+    path = checkpoint.save(os.path.join(folder, "adam.h5"), model, optimizer)
+    torch_path = os.path.join(folder, "adam.pt")
+    if world.rank == 0:
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, torch_path)
+    world.Barrier()
+
+    def torch_load() -> None:
+        saved = torch.load(torch_path, weights_only=True)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+
+    ours_bytes = _bytes_read(path, model, optimizer, world)
+    old = _every_rank_reads(path, world)
+    old_bytes = old()
+    load_s, old_s, torch_s = compare([lambda: checkpoint.load(path, model, optimizer), old,
+                                      torch_load], REPEAT, warmup=1)
+    nbytes = os.path.getsize(path)
+    for baseline, seconds in (("every-rank-reads", old_s), ("torch-save", torch_s)):
+        report.add("checkpoint", "load (adam, replicated)", load_s, baseline, seconds,
+                   nbytes=nbytes, ours_bytes_per_rank=ours_bytes, baseline_bytes_per_rank=(
+                       old_bytes if baseline == "every-rank-reads" else os.path.getsize(torch_path)))
 
 
 def run(report: Report) -> None:
@@ -85,6 +134,7 @@ def run(report: Report) -> None:
                            REPEAT, warmup=1)
         report.add("checkpoint", "save write bandwidth", save_s, "h5py-raw", raw_s, nbytes=nbytes,
                    ours_GBps=round(nbytes / save_s / 1e9, 3), raw_GBps=round(nbytes / raw_s / 1e9, 3))
+        _replicated_load(report, folder, world)
     finally:
         world.Barrier()
         if world.rank == 0:

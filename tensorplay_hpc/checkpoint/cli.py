@@ -10,23 +10,31 @@ import torch
 from mpi4py import MPI
 
 from . import format as fmt
-from . import snapshot, writer
+from . import restore, snapshot, writer
 from .reader import Reader
 
 
 def _model_dict(reader: Reader) -> Dict[str, torch.Tensor]:
-    return {key: reader.tensor(fmt.model_name(key)) for key in reader.names("model")}
+    """The model; the average of the replicas when the file holds several."""
+    sources = restore.prefixes(reader)
+    return {key: restore.combine([reader.tensor(fmt.model_name(key, p)) for p in sources])
+            for key in reader.names(f"{sources[0]}model")}
 
 
 def _optimizer_dict(reader: Reader) -> Optional[Dict[str, Any]]:
+    """The consolidated optimizer state (the replicas' average, as for the model)."""
     if reader.attribute("optimizer", "class") is None:
         return None
+    sources = restore.prefixes(reader)
+    shared = restore.state_prefix(reader, sources[0])
+    sources = sources if shared else [""]
     state = {}
-    for index in sorted(int(i) for i in reader.names("optimizer/state")):
-        node = f"optimizer/state/{index}"
+    for index in sorted(int(i) for i in reader.names(f"{sources[0]}optimizer/state")):
+        node = fmt.state_node(index, sources[0])
         entry = dict(reader.decoded(node, default={}))
         for key in reader.names(node):
-            entry[key] = reader.tensor(fmt.state_name(index, key))
+            entry[key] = restore.combine([reader.tensor(fmt.state_name(index, key, p))
+                                          for p in sources])
         state[index] = entry
     return {"state": state, "param_groups": reader.decoded("optimizer", "param_groups")}
 
