@@ -25,11 +25,6 @@ nested = pytest.mark.skipif(not single_rank(), reason=ONLY_UNDER_ONE_RANK)
 RUN = ["--steps", "150", "--checkpoint-every", "10"]
 """Long enough that a signal sent at the first checkpoint arrives before the end."""
 
-ACROSS_NODES = ["--collective-timeout", "0"]
-"""Training options across the simulated nodes: no collective watchdog, whose one-sided window
-has no MPI component between TCP nodes there (``MPI_ERR_WIN``)."""
-
-
 def _shared_folder(nodes: SimulatedNodes, name: str) -> Path:
     """A new folder in the nodes' scratch, which every node sees (a node's /tmp is its own);
     it goes with the cluster."""
@@ -59,7 +54,7 @@ def uninterrupted(tmp_path_factory) -> list:
 @pytest.fixture(scope="module")
 def uninterrupted_on_two_nodes(simulated_nodes) -> list:
     """RUN's losses at 4 ranks, 2 on each simulated node (mpiexec, no Slurm)."""
-    return _uninterrupted(_shared_folder(simulated_nodes, "uninterrupted"), 4, *ACROSS_NODES,
+    return _uninterrupted(_shared_folder(simulated_nodes, "uninterrupted"), 4,
                           nodes=simulated_nodes)
 
 
@@ -206,7 +201,7 @@ def test_train_sbatch_on_two_nodes_is_signalled_requeued_and_finishes_like_an_un
     folder = _shared_folder(simulated_nodes, "slurm")
     run_dir, output = folder / "run", folder / "job.out"
     job = two_nodes.sbatch([f"--output={output}", "--nodes=2", "--ntasks-per-node=2",
-                            "jobs/train.sbatch", *TINY, *RUN, *ACROSS_NODES],
+                            "jobs/train.sbatch", *TINY, *RUN],
                            cwd=REPO, env=clean_env(RUN_DIR=str(run_dir)))
     log = _signal_and_finish(two_nodes, job, output, run_dir, uninterrupted_on_two_nodes)
     assert "4 ranks on n[1-2]" in log
