@@ -5,8 +5,8 @@ parameter index (the numbering of ``torch.optim.Optimizer.state_dict``) and para
 adapter says which part of it this rank writes, which part it must read back, and how to load it,
 plus any further datasets under ``/optimizer`` its kind needs.
 
-- a plain ``torch.optim`` optimizer is replicated: the ranks share the writing, every rank
-  reads everything;
+- a plain ``torch.optim`` optimizer is replicated: the ranks of each replica share the writing
+  of its copy, and the reading (each dataset read by one rank and broadcast);
 - ``ZeroRedundancyOptimizer``: each rank writes and reads the state of the parameters it owns;
 - ``PostLocalSGDOptimizer``: its inner optimizer, plus the averager's step counter;
 - ``DistributedOptimizer``: each owner writes and reads the state and the values of the

@@ -5,7 +5,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from mpi4py import MPI
@@ -101,7 +101,7 @@ class Run:
                   f"train, {self.corpus.validation.numel() / 1e6:.1f} MB validation; "
                   f"{config.steps} steps of {config.batch_size} x {config.context} bytes")
 
-    def _load_newest(self) -> Optional[tuple]:
+    def _load_newest(self) -> Optional[Tuple[str, Dict[str, Any]]]:
         """``(path, extras)`` of the newest checkpoint that loads (the ranks verify its checksums
         together), passing over damaged ones; ``None`` if there is none. Collective."""
         directory = str(self.config.checkpoint_dir)
