@@ -16,11 +16,11 @@ Every parameter of any rank's references has a global index: its position in the
 owner reads and replaces the values and state of the parameters it owns from its own window
 memory (:meth:`~DistributedOptimizer.owned_state`, :meth:`~DistributedOptimizer.load_owned`).
 
-The state window has the transport of the shared tensors' windows (:mod:`~tensorplay_hpc.
-distributed.rma.transport`). Where that is shared memory (all ranks on one node), a step under
-the same locks runs the optimizer directly on the owner's memory instead (``Win.Shared_query``
-views of parameter, gradient and state): no copies at all. ``TENSORPLAY_HPC_RMA_DIRECT=0`` turns
-that off. A step's three locks on an owner are always taken in one order (values, state,
+The state window has the transport of the shared tensors' windows
+(:mod:`tensorplay_hpc.distributed.rma.transport`). Where that is shared memory (all ranks on one
+node), a step under the same locks runs the optimizer directly on the owner's memory instead
+(``Win.Shared_query`` views of parameter, gradient and state): no copies at all.
+``TENSORPLAY_HPC_RMA_DIRECT=0`` turns that off. A step's three locks on an owner are always taken in one order (values, state,
 gradients; owners ascending), and granted before they return, so trainers cannot deadlock.
 """
 from __future__ import annotations
