@@ -4,16 +4,16 @@ Each node is a set of Linux namespaces of its own, held open by a sleeping proce
 
 - network: one ``eth0`` (a veth) with its own address on a private bridge;
 - UTS: its own hostname (``n1``, ``n2``...);
-- mount: a private ``/dev/shm`` and ``/tmp`` (nodes share no memory segments and no scratch
-  folder), and an ``/etc/hosts`` that names every node;
+- mount: a private ``/dev/shm`` (nodes share no memory segments) and an ``/etc/hosts`` that
+  names every node;
 - IPC: its own System V objects.
 
 The bridge lives in one more namespace, the *launcher* (the login node of the cluster), where
 ``mpiexec`` runs. Open MPI starts one daemon per node through ``--mca plm_rsh_agent``, pointed
 at a script that enters the node's namespaces instead of calling ssh. Nothing here touches the
-machine's own network namespace: all traffic stays on the bridge. What the nodes do share is
-``/var/tmp`` (and the rest of the file system), which plays the cluster's parallel file system:
-``scratch`` is a folder there, handed to jobs as ``TMPDIR``.
+machine's own network namespace: all traffic stays on the bridge. The nodes share the rest of
+the file system (the checkout may live anywhere, ``/tmp`` included); ``scratch``, a folder in
+``/var/tmp`` handed to jobs as ``TMPDIR``, plays the cluster's parallel file system.
 
 Needs root (it creates namespaces). Use it from Python::
 
@@ -58,7 +58,6 @@ exec nsenter --target "$(cat "{folder}/$host.pid")" --net --uts --ipc --mount --
 HOLDER = """set -e
 hostname "$1"
 mount -t tmpfs -o size=1g tmpfs /dev/shm
-mount -t tmpfs -o size=1g tmpfs /tmp
 mount --bind "$2" /etc/hosts
 ip link set lo up
 echo ready
