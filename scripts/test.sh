@@ -9,7 +9,7 @@ bash "$here/setup.sh"
 source "$here/env.sh"
 cd "$root"
 
-# Test folders where every node sees them, as on a cluster's shared file system.
+# Test folders on a file system that every node sees (a node's /tmp is its own).
 TMPDIR=$(mktemp -d /var/tmp/tensorplay-tests-XXXXXX)
 export TMPDIR
 trap 'rm -rf "$TMPDIR"' EXIT

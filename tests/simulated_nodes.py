@@ -4,7 +4,8 @@ Each node is a set of Linux namespaces of its own, held open by a sleeping proce
 
 - network: one ``eth0`` (a veth) with its own address on a private bridge;
 - UTS: its own hostname (``n1``, ``n2``...);
-- mount: a private ``/dev/shm`` (nodes share no memory segments) and an ``/etc/hosts`` that
+- mount: a private ``/dev/shm`` and ``/tmp`` (nodes share no memory segments and no scratch
+  folder; a checkout under ``/tmp`` stays visible at its path), and an ``/etc/hosts`` that
   names every node;
 - IPC: its own System V objects.
 
@@ -12,8 +13,8 @@ The bridge lives in one more namespace, the *launcher* (the login node of the cl
 ``mpiexec`` runs. Open MPI starts one daemon per node through ``--mca plm_rsh_agent``, pointed
 at a script that enters the node's namespaces instead of calling ssh. Nothing here touches the
 machine's own network namespace: all traffic stays on the bridge. The nodes share the rest of
-the file system (the checkout may live anywhere, ``/tmp`` included); ``scratch``, a folder in
-``/var/tmp`` handed to jobs as ``TMPDIR``, plays the cluster's parallel file system.
+the file system; ``scratch``, a folder in ``/var/tmp`` handed to jobs as ``TMPDIR``, plays the
+cluster's parallel file system.
 
 Needs root (it creates namespaces). Use it from Python::
 
@@ -43,6 +44,9 @@ from typing import Dict, List, Optional
 ENV = "TENSORPLAY_TEST_NODES"
 """Set, in the launcher and in every job, to the folder that describes the running cluster."""
 
+CHECKOUT = Path(__file__).resolve().parents[1]
+"""This repository: kept at its path on every node, even under a node's private /tmp."""
+
 SUBNET = "10.213.17"
 """The bridge's /24: the launcher is .1, node i is .(10 + i). Private to the namespaces."""
 
@@ -59,6 +63,9 @@ HOLDER = """set -e
 hostname "$1"
 mount -t tmpfs -o size=1g tmpfs /dev/shm
 mount --bind "$2" /etc/hosts
+case "$4" in /tmp/*) mkdir -p "$3"; mount --bind "$4" "$3" ;; esac
+mount -t tmpfs -o size=1g tmpfs /tmp
+case "$4" in /tmp/*) mkdir -p "$4"; mount --bind "$3" "$4" ;; esac
 ip link set lo up
 echo ready
 exec sleep infinity
@@ -125,7 +132,8 @@ class SimulatedNodes:
     def _hold(self, name: str, hosts: Path) -> None:
         holder = subprocess.Popen(
             ["unshare", "--net", "--uts", "--ipc", "--mount", "--propagation", "private",
-             "sh", "-c", HOLDER, "holder", name, str(hosts)],
+             "sh", "-c", HOLDER, "holder", name, str(hosts), str(self.folder / f"{name}.checkout"),
+             str(CHECKOUT)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             preexec_fn=_die_with_parent)
         self._holders[name] = holder
