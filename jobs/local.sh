@@ -22,9 +22,14 @@ if [[ $version == *"Open MPI"* || $version == *"OpenRTE"* ]]; then
     MPIEXEC+=(--quiet)
 fi
 
+# Open MPI gives each rank a pseudo-terminal even when this script's output goes to a file:
+# without a terminal here, ask for progress lines instead of a progress bar.
+output=()
+[ -t 1 ] || output=(--no-progress)
+
 status=0
-run_preemptible "${MPIEXEC[@]}" -n "${RANKS:-2}" python -m tensorplay_hpc train --resume "$@" \
-    || status=$?
+run_preemptible "${MPIEXEC[@]}" -n "${RANKS:-2}" python -m tensorplay_hpc train --resume \
+    "${output[@]}" "$@" || status=$?
 if [ "$status" -eq "$EXIT_PREEMPTED" ]; then
     echo "[job] stopped at a checkpoint: run $0 again with the same options to resume"
 fi

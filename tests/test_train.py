@@ -1,5 +1,6 @@
 """Tests of ``tensorplay-hpc train``: data, model, history, and resumes that reproduce an
 uninterrupted run exactly; in process at every world size, and as a program under mpiexec."""
+import json
 import os
 import shutil
 import signal
@@ -16,7 +17,8 @@ from tensorplay_hpc import checkpoint
 from tensorplay_hpc.train.config import TrainConfig
 from tensorplay_hpc.train.data import VALIDATION_EVERY, Corpus, batch_for_rank, stdlib_files
 from tensorplay_hpc.train.history import History
-from tensorplay_hpc.train.loop import EXIT_PREEMPTED, train
+from tensorplay_hpc.train.loop import EXIT_PREEMPTED, _threads_per_rank, train
+from tensorplay_hpc.train.run_folder import RunFolderInUse
 from tensorplay_hpc.train.preemption import Preemption
 from launch import ONLY_UNDER_ONE_RANK, REPO, clean_env, single_rank
 from train_launch import losses, restarts, train_command
@@ -129,6 +131,35 @@ def test_signal_checkpoint_and_resume_reproduce_an_uninterrupted_run(shared_dir,
     assert losses(parts) == expected
     assert restarts(parts) == [4, 5]
     assert rest.loss == whole.loss
+
+
+def test_a_new_run_refuses_a_folder_with_an_earlier_run_and_resume_names_changed_settings(
+        shared_dir, capsys):
+    first = train_here(tiny(shared_dir, steps=2))
+    assert first.steps == 2
+    metrics = (shared_dir / "metrics.csv").read_text()
+    settings = json.loads((shared_dir / "settings.json").read_text())
+    assert (settings["steps"], settings["ranks"], settings["started_at_step"]) == (
+        2, WORLD.size, 0)
+    with pytest.raises(RunFolderInUse, match="holds an earlier run .* pass --resume"):
+        train(tiny(shared_dir, steps=4))
+    assert (shared_dir / "metrics.csv").read_text() == metrics
+    assert sorted(p.name for p in (shared_dir / "checkpoints").iterdir()) == ["step-0000002.h5"]
+    capsys.readouterr()
+    resumed = train_here(tiny(shared_dir, steps=3, lr=0.01, resume=True))
+    assert resumed.steps == 3
+    said = capsys.readouterr().out
+    if WORLD.rank == 0:
+        assert "--resume: --lr was 0.003 when the checkpoint was saved, now 0.01" in said
+        assert "--resume: --steps was 2 when the checkpoint was saved, now 3" in said
+        assert "--threads" not in said and "--resume: --resume" not in said
+    assert json.loads((shared_dir / "settings.json").read_text())["started_at_step"] == 2
+
+
+def test_threads_follow_slurm_cpus_per_task(monkeypatch):
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "8")
+    assert _threads_per_rank(WORLD, 0) == 8
+    assert _threads_per_rank(WORLD, 3) == 3
 
 
 # -- the program under mpiexec --------------------------------------------------------------------

@@ -5,7 +5,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .config import DEVICES, INNER_OPTIMIZERS, OPTIMIZERS, TrainConfig
+from .config import DEVICES, INNER_OPTIMIZERS, OPTIMIZERS, TrainConfig, UsageError
 from .preemption import EXIT_PREEMPTED, Preemption
 
 DESCRIPTION = f"""\
@@ -63,8 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     option(machine, "--collective-timeout", "seconds a collective may wait for the other ranks "
            "before the job is aborted with a report of the missing ranks, 0 for no watchdog",
            type=float)
-    machine.add_argument("--no-progress", dest="progress", action="store_false",
-                         help="no progress bar, only event lines (for batch logs)")
+    output = parser.add_argument_group("output")
+    output.add_argument("--no-progress", dest="progress", action="store_false",
+                        help="no progress bar: a line every --log-every steps instead (for batch "
+                        "logs; also when standard output is not a terminal)")
+    option(output, "--log-every", "steps between progress lines without a bar, 0 for only the "
+           "last step and validation losses", type=int)
 
 
 def config_from(args: argparse.Namespace) -> TrainConfig:
@@ -89,12 +93,19 @@ def run(args: argparse.Namespace) -> int:
         config = config_from(args)
         config.check_ranks(world.Get_size())
     except ValueError as error:
-        if world.Get_rank() == 0:
-            print(f"tensorplay-hpc train: error: {error}", file=sys.stderr)
-        return 2
+        return _usage_error(error, world)
     if world.Get_size() > 1:
         abort_on_exception()
     if config.collective_timeout:
         watchdog.enable(config.collective_timeout)
     from .loop import train
-    return train(config, world, preemption).exit_code
+    try:
+        return train(config, world, preemption).exit_code
+    except UsageError as error:  # raised on every rank alike
+        return _usage_error(error, world)
+
+
+def _usage_error(error: ValueError, world) -> int:
+    if world.Get_rank() == 0:
+        print(f"tensorplay-hpc train: error: {error}", file=sys.stderr)
+    return 2

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 OPTIMIZERS = ("zero", "postlocal", "ddp", "local")
 INNER_OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -11,6 +11,13 @@ DEVICES = ("cpu", "cuda")
 
 # Settings that must match between a checkpoint and the run resuming from it.
 _MODEL_SHAPE = ("layers", "width", "heads", "context")
+# Settings that change only what is printed or how fast: a resume may change them silently.
+_PRESENTATION = ("resume", "progress", "log_every", "threads", "collective_timeout")
+
+
+class UsageError(ValueError):
+    """A setting that cannot work for this launch; ``tensorplay-hpc train`` prints it and exits
+    with status 2, as for a bad option."""
 
 
 @dataclass
@@ -40,6 +47,7 @@ class TrainConfig:
     threads: int = 0
     collective_timeout: float = 600.0
     progress: bool = True
+    log_every: int = 50
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir)
@@ -55,7 +63,7 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, "
                                  f"got {getattr(self, name)}")
         for name in ("steps", "warmup_steps", "eval_every", "checkpoint_every", "keep", "threads",
-                     "collective_timeout"):
+                     "collective_timeout", "log_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must not be negative, "
                                  f"got {getattr(self, name)}")
@@ -78,3 +86,13 @@ class TrainConfig:
                 raise ValueError(f"the checkpoint has --{name} {saved.get(name)}, this run "
                                  f"--{name} {getattr(self, name)}: resume with the same model "
                                  "shape")
+
+    def changes_from(self, saved: Dict[str, Any]) -> List[str]:
+        """How this run's settings differ from a checkpoint's (other than in presentation),
+        one readable entry per setting, e.g. ``--lr was 0.003 when the checkpoint was saved, now
+        0.01``."""
+        current = self.describe()
+        return [f"--{name.replace('_', '-')} was {saved[name]} when the checkpoint was saved, "
+                f"now {current[name]}"
+                for name in sorted(current)
+                if name not in _PRESENTATION and name in saved and saved[name] != current[name]]

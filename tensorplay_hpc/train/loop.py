@@ -13,16 +13,14 @@ from mpi4py import MPI
 from tensorplay_hpc import checkpoint, comm
 
 from . import strategy as strategies
-from .config import TrainConfig
+from .config import TrainConfig, UsageError
 from .data import VOCAB_SIZE, Corpus, batch_for_rank, validation_batches
 from .history import History
 from .model import CharTransformer, next_token_loss
 from .plot import plot_losses
 from .preemption import EXIT_PREEMPTED, Preemption
 from .progress import Progress
-
-METRICS_FILE = "metrics.csv"
-PLOT_FILE = "loss.png"
+from .run_folder import METRICS_FILE, PLOT_FILE, check_unused, write_settings
 
 
 @dataclass
@@ -38,8 +36,11 @@ class Outcome:
 
 
 def _threads_per_rank(world: MPI.Intracomm, requested: int) -> int:
+    """``--threads``, else Slurm's CPUs per task, else the node's cores over its ranks."""
     if requested:
         return requested
+    if os.environ.get("SLURM_CPUS_PER_TASK", "").isdigit():
+        return int(os.environ["SLURM_CPUS_PER_TASK"])
     node = world.Split_type(MPI.COMM_TYPE_SHARED)
     ranks_here = node.Get_size()
     node.Free()
@@ -47,13 +48,32 @@ def _threads_per_rank(world: MPI.Intracomm, requested: int) -> int:
 
 
 def _device(config: TrainConfig, world: MPI.Intracomm) -> torch.device:
+    """The rank's device; :class:`UsageError` on every rank when a rank has no GPU for
+    ``--device cuda``. Collective."""
     if config.device == "cpu":
         return torch.device("cpu")
+    without = [rank for rank, has in enumerate(world.allgather(torch.cuda.is_available()))
+               if not has]
+    if without:
+        raise UsageError(f"--device cuda, but ranks {without} of {world.Get_size()} see no GPU "
+                         "(torch.cuda.is_available() is False there): use --device cpu, or "
+                         "launch where every rank has a GPU")
     device = comm.device_for_rank(world)
-    if device.type != "cuda":
-        raise RuntimeError(f"--device cuda, but rank {world.Get_rank()} sees no GPU")
     torch.cuda.set_device(device)
     return device
+
+
+def _check_run_folder(config: TrainConfig, world: MPI.Intracomm) -> None:
+    """:func:`check_unused` on rank 0, raised on every rank. Collective."""
+    problem = None
+    if world.Get_rank() == 0:
+        try:
+            check_unused(config)
+        except UsageError as error:
+            problem = error
+    problem = world.bcast(problem, root=0)
+    if problem is not None:
+        raise problem
 
 
 class Run:
@@ -63,6 +83,7 @@ class Run:
     """
 
     def __init__(self, config: TrainConfig, world: MPI.Intracomm = MPI.COMM_WORLD) -> None:
+        _check_run_folder(config, world)
         self.config = config
         self.group = comm.ProcessGroup(world)
         self.world = world
@@ -125,6 +146,8 @@ class Run:
             return
         path, extra = found
         self.config.check_resumable(extra["config"])
+        for change in self.config.changes_from(extra["config"]):
+            self._say(f"--resume: {change}")
         self.history = History.from_extra(extra["history"])
         self.history.restarts.append(self.history.step)
         self.strategy.resumed_at(self.history.step)
@@ -189,7 +212,10 @@ class Run:
         self._introduce()
         if config.resume:
             self._resume()
-        progress = Progress(self.group.rank, config.steps, self.history.step, bar=config.progress)
+        if self.group.rank == 0:
+            write_settings(config, self.group.size, self.history.step)
+        progress = Progress(self.group.rank, config.steps, self.history.step, bar=config.progress,
+                            log_every=config.log_every)
         seconds, steps_here, exit_code = 0.0, 0, 0
         while self.history.step < config.steps:
             started = time.perf_counter()
@@ -200,10 +226,11 @@ class Run:
             speed = steps_here * self.tokens_per_step / seconds
             self.history.losses.append(loss)
             self.history.tokens_per_second.append(speed)
-            progress.step(loss, speed)
             done = self.history.step
+            validation = None
             if (config.eval_every and done % config.eval_every == 0) or done == config.steps:
-                self.history.validation[done] = self._validate()
+                validation = self.history.validation[done] = self._validate()
+            progress.step(loss, speed, validation)
             if stop:
                 progress.say(f"{preemption.name}: stopping at step {done} of {config.steps}")
                 self._save(progress, "preempted")

@@ -1,0 +1,42 @@
+"""``tensorplay-hpc bench`` (also ``python -m tensorplay_hpc.bench``): run benchmarks under
+mpiexec or srun; each comparison is printed as a JSON line, and a table at the end."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+from typing import List
+
+import tensorplay_hpc.bench as package
+
+DESCRIPTION = """\
+Run benchmarks on every rank of the launch (mpiexec -n N tensorplay-hpc bench NAME...). Each
+comparison is printed as one JSON object per line as it is measured (ours against PyTorch over
+gloo or RPC, and against raw mpi4py of the same bytes), then a table."""
+
+_NOT_BENCHMARKS = {"cli", "report", "timing", "gloo", "models"}
+
+
+def available() -> List[str]:
+    """The names of the benchmarks (the modules of this package)."""
+    return sorted(m.name for m in pkgutil.iter_modules(package.__path__)
+                  if m.name not in _NOT_BENCHMARKS and not m.name.startswith("_"))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``bench``."""
+    names = available()
+    parser.add_argument("benchmarks", nargs="+", choices=names, metavar="NAME",
+                        help="one or more of: " + ", ".join(names))
+    parser.add_argument("--repeat", type=int, default=7,
+                        help="timed runs per case, the median is reported (default %(default)s)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmarks named in ``args``. Collective over ``MPI.COMM_WORLD``."""
+    from tensorplay_hpc.bench.report import Report
+    report = Report(repeat=args.repeat)
+    for name in args.benchmarks:
+        importlib.import_module(f"tensorplay_hpc.bench.{name}").run(report)
+    report.print_table()
+    return 0
