@@ -117,6 +117,12 @@ def test_needs_a_joinable():
         Join([])
 
 
+def test_an_entry_that_is_not_joinable_is_named():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=r"joinables\[1\] is a Linear, which is not a Joinable"):
+        Join([Counter(MPI.COMM_WORLD), model])
+
+
 @pytest.mark.mpi(min_size=2)
 def test_joinables_on_different_groups_are_rejected(world):
     with pytest.raises(ValueError, match="multiple process groups"):

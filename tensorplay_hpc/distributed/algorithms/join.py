@@ -102,6 +102,7 @@ class Join:
 
     Raises:
         ValueError: no joinables, or joinables on different process groups.
+        TypeError: an entry that is not a :class:`Joinable`.
     """
 
     def __init__(self, joinables: List[Joinable], enable: bool = True,
@@ -109,6 +110,12 @@ class Join:
         if len(joinables) == 0:
             raise ValueError("The join context manager requires at least one joinable")
         self._joinables = list(joinables)
+        for position, joinable in enumerate(self._joinables):
+            if not isinstance(joinable, Joinable):
+                raise TypeError(f"Join: joinables[{position}] is a {type(joinable).__name__}, "
+                                "which is not a Joinable (a subclass of tensorplay_hpc."
+                                "distributed.algorithms.join.Joinable with join_hook, "
+                                "join_device and join_process_group)")
         self._join_hooks = [joinable.join_hook(**kwargs) for joinable in self._joinables]
         self._enable = enable
         self._throw_on_early_termination = throw_on_early_termination
