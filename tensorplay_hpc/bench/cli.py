@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import pkgutil
+import warnings
 from typing import List
 
 import tensorplay_hpc.bench as package
@@ -36,7 +37,15 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmarks named in ``args``. Collective over ``MPI.COMM_WORLD``."""
     from tensorplay_hpc.bench.report import Report
     report = Report(repeat=args.repeat)
-    for name in args.benchmarks:
-        importlib.import_module(f"tensorplay_hpc.bench.{name}").run(report)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for name in args.benchmarks:
+            importlib.import_module(f"tensorplay_hpc.bench.{name}").run(report)
     report.print_table()
+    # Warnings (mostly from the PyTorch baselines) once each after the tables, not amid them.
+    seen = dict.fromkeys(f"{w.category.__name__}: {w.message}" for w in caught)
+    if seen and report.rank == 0:
+        print(f"\n{len(seen)} distinct warnings while measuring:")
+        for text in seen:
+            print(f"  {text.splitlines()[0][:200]}")
     return 0

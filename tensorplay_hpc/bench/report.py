@@ -30,22 +30,27 @@ class Report:
         return row
 
     def print_table(self) -> None:
+        """One table per benchmark, with only the columns its rows use."""
         if self.rank != 0 or not self.rows:
             return
-        extra_keys = sorted({k for r in self.rows for k in r} - {
-            "bench", "case", "ranks", "bytes", "ours_s", "baseline", "baseline_s", "speedup"})
-        header = ["bench", "case", "ranks", "bytes", "ours ms", "baseline", "base ms", "speedup",
-                  *extra_keys]
-        lines = [header]
-        for r in self.rows:
-            lines.append([r["bench"], r["case"], str(r["ranks"]), _size(r.get("bytes")),
-                          f"{r['ours_s'] * 1e3:.3f}", r["baseline"], f"{r['baseline_s'] * 1e3:.3f}",
-                          f"{r['speedup']:.2f}x", *[_fmt(r.get(k)) for k in extra_keys]])
-        widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-        for i, line in enumerate(lines):
-            print("  ".join(cell.ljust(w) for cell, w in zip(line, widths)))
-            if i == 0:
-                print("  ".join("-" * w for w in widths))
+        for bench in dict.fromkeys(r["bench"] for r in self.rows):
+            rows = [r for r in self.rows if r["bench"] == bench]
+            extra_keys = sorted({k for r in rows for k in r} - _FIXED)
+            header = ["case", "ranks", "bytes", "ours ms", "baseline", "base ms", "speedup",
+                      *extra_keys]
+            lines = [header] + [
+                [r["case"], str(r["ranks"]), _size(r.get("bytes")), f"{r['ours_s'] * 1e3:.3f}",
+                 r["baseline"], f"{r['baseline_s'] * 1e3:.3f}", f"{r['speedup']:.2f}x",
+                 *[_fmt(r.get(k)) for k in extra_keys]] for r in rows]
+            widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+            print(f"\n{bench}")
+            for i, line in enumerate(lines):
+                print("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip())
+                if i == 0:
+                    print("  ".join("-" * w for w in widths))
+
+
+_FIXED = {"bench", "case", "ranks", "bytes", "ours_s", "baseline", "baseline_s", "speedup"}
 
 
 def _size(nbytes: Optional[int]) -> str:
