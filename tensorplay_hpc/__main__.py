@@ -4,6 +4,7 @@ Subcommands:
     train   train a character-level transformer data parallel over MPI, with checkpoints,
             preemption and resume (``tensorplay-hpc train --help``).
     bench   run the benchmarks (``tensorplay-hpc bench --help``).
+    env     what this installation and launch can do (``tensorplay-hpc env --help``).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import List, Optional
 
 import tensorplay_hpc
 from tensorplay_hpc.bench import cli as bench_cli
+from tensorplay_hpc.diagnostics import cli as env_cli
 from tensorplay_hpc.train import cli as train_cli
 
 # Each launcher tells a process its rank in the job, before MPI is initialized.
@@ -43,7 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module, summary in (
             ("train", train_cli, "train a character-level transformer over MPI"),
-            ("bench", bench_cli, "run the benchmarks under mpiexec or srun")):
+            ("bench", bench_cli, "run the benchmarks under mpiexec or srun"),
+            ("env", env_cli, "what this installation and launch can do (for bug reports)")):
         command = commands.add_parser(name, help=summary, description=module.DESCRIPTION)
         command.add_argument("--version", action="version", version=version)
         module.add_arguments(command)

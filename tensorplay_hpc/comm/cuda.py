@@ -9,7 +9,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from mpi4py import MPI
@@ -27,20 +27,28 @@ def _query_library() -> Optional[bool]:
 
 
 @functools.lru_cache(maxsize=None)
-def _detected() -> bool:
+def _detected() -> Tuple[bool, str]:
     answer = _query_library()
     if answer is not None:
-        return answer
-    return (os.environ.get("MPICH_GPU_SUPPORT_ENABLED") == "1"
-            or os.environ.get("MV2_USE_CUDA") == "1")
+        return answer, "the MPI library (MPIX_Query_cuda_support)"
+    for variable in ("MPICH_GPU_SUPPORT_ENABLED", "MV2_USE_CUDA"):
+        if os.environ.get(variable) == "1":
+            return True, f"{variable}=1"
+    return False, ("no answer from the MPI library, and neither MPICH_GPU_SUPPORT_ENABLED nor "
+                   "MV2_USE_CUDA is 1")
+
+
+def cuda_awareness() -> Tuple[bool, str]:
+    """Whether device pointers may be handed straight to MPI, and how that was decided."""
+    override = os.environ.get(CUDA_AWARE_ENV)
+    if override is not None and override != "":
+        return override.lower() in ("1", "true", "yes", "on"), f"{CUDA_AWARE_ENV}={override}"
+    return _detected()
 
 
 def is_cuda_aware() -> bool:
     """Whether device pointers may be handed straight to MPI."""
-    override = os.environ.get(CUDA_AWARE_ENV)
-    if override is not None and override != "":
-        return override.lower() in ("1", "true", "yes", "on")
-    return _detected()
+    return cuda_awareness()[0]
 
 
 def local_rank(comm: Optional[MPI.Intracomm] = None) -> int:

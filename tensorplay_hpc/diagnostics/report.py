@@ -1,0 +1,193 @@
+"""The report of ``tensorplay-hpc env``: versions, what MPI can do for this launch (thread level,
+one-sided windows within and across nodes, CUDA-aware or not), Open MPI's components, parallel
+HDF5, the launcher's variables and the package's settings."""
+from __future__ import annotations
+
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from typing import Any, Dict, List, Optional
+
+import mpi4py
+import torch
+from mpi4py import MPI
+
+import tensorplay_hpc
+from tensorplay_hpc.comm import capabilities
+from tensorplay_hpc.comm.cuda import cuda_awareness
+
+from . import settings
+
+_FRAMEWORKS = ("pml", "btl", "mtl", "osc", "coll")
+_LAUNCHER_PREFIXES = ("SLURM_", "OMPI_COMM_WORLD_", "OMPI_UNIVERSE_SIZE", "PMIX_RANK", "PMI_",
+                      "MPI4PY_", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
+
+
+def _this_rank() -> Dict[str, Any]:
+    return {"host": MPI.Get_processor_name(),
+            "thread_level": capabilities.thread_level_name(MPI.Query_thread()),
+            "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0}
+
+
+def _windows(world: MPI.Intracomm) -> Dict[str, Optional[bool]]:
+    """Whether ``MPI.Win.Allocate`` works among the ranks of each node, and over all ranks when
+    they span nodes (``None``: nothing to probe). Collective."""
+    node = world.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        within = world.allreduce(capabilities.one_sided_works(node), op=MPI.LAND)
+    finally:
+        node.Free()
+    one_node = capabilities.within_one_node(world)
+    across = None if one_node else capabilities.one_sided_works(world)
+    return {"within_a_node": within, "across_nodes": across}
+
+
+def _hdf5() -> Dict[str, Any]:
+    try:
+        import h5py
+    except ImportError as error:
+        return {"h5py": None, "error": str(error)}
+    return {"h5py": h5py.version.version, "hdf5": h5py.version.hdf5_version,
+            "parallel": bool(h5py.get_config().mpi)}
+
+
+def _mca_parameters() -> Dict[str, str]:
+    """Open MPI's MCA parameters from its system and user files, then the environment (later
+    ones win, as in Open MPI)."""
+    found: Dict[str, str] = {}
+    files = [os.path.join(_ompi_info_path("sysconfdir") or "/etc/openmpi",
+                          "openmpi-mca-params.conf"),
+             os.path.expanduser("~/.openmpi/mca-params.conf")]
+    for path in files:
+        if os.path.isfile(path):
+            for line in open(path):
+                key, sep, value = line.split("#", 1)[0].partition("=")
+                if sep:
+                    found[key.strip()] = value.strip()
+    found.update({k[len("OMPI_MCA_"):]: v for k, v in os.environ.items()
+                  if k.startswith("OMPI_MCA_")})
+    return found
+
+
+def _ompi_info_path(name: str) -> Optional[str]:
+    output = _run(["ompi_info", "--path", name])
+    match = re.search(r":\s*(\S+)", output or "")
+    return match.group(1) if match else None
+
+
+def _run(command: List[str]) -> Optional[str]:
+    if shutil.which(command[0]) is None:
+        return None
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _selected(installed: List[str], parameter: Optional[str]) -> List[str]:
+    """The components a selection parameter leaves (``a,b`` includes, ``^a,b`` excludes)."""
+    if not parameter:
+        return installed
+    names = [n.strip() for n in parameter.lstrip("^").split(",")]
+    if parameter.startswith("^"):
+        return [c for c in installed if c not in names]
+    return [c for c in names if c in installed]
+
+
+def _open_mpi() -> Optional[Dict[str, Any]]:
+    if "Open MPI" not in MPI.Get_library_version():
+        return None
+    listing = _run(["ompi_info"]) or ""
+    parameters = _mca_parameters()
+    frameworks = {}
+    for framework in _FRAMEWORKS:
+        installed = re.findall(rf"MCA {framework}: (\w+)", listing)
+        frameworks[framework] = {"installed": installed, "parameter": parameters.get(framework),
+                                 "candidates": _selected(installed, parameters.get(framework))}
+    return {"components": frameworks, "mca_parameters": parameters}
+
+
+def collect(world: MPI.Intracomm = MPI.COMM_WORLD) -> Dict[str, Any]:
+    """The report, complete on rank 0 (the other ranks get theirs too). Collective over
+    ``world``: each rank tells its host, thread level and GPUs, and windows are tried within
+    each node and across nodes."""
+    ranks = world.allgather(_this_rank())
+    windows = _windows(world)
+    aware, source = cuda_awareness()
+    hosts = list(dict.fromkeys(r["host"] for r in ranks))
+    return {
+        "tensorplay_hpc": tensorplay_hpc.__version__,
+        "python": f"{platform.python_version()} ({sys.executable})",
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "mpi4py": mpi4py.__version__,
+        "mpi": {"library": MPI.Get_library_version().strip("\x00 \n").splitlines()[0],
+                "standard": "{}.{}".format(*MPI.Get_version()),
+                "thread_level_requested": mpi4py.rc.thread_level,
+                "thread_levels": sorted({r["thread_level"] for r in ranks})},
+        "launch": {"ranks": world.Get_size(), "nodes": len(hosts), "hosts": hosts,
+                   "ranks_per_host": {h: sum(r["host"] == h for r in ranks) for h in hosts},
+                   "gpus_per_rank": sorted({r["gpus"] for r in ranks})},
+        "windows": windows,
+        "cuda_aware_mpi": {"answer": aware, "source": source},
+        "rma_transport": os.environ.get(capabilities.TRANSPORT_ENV) or "auto",
+        "open_mpi": _open_mpi() if world.Get_rank() == 0 else None,
+        "hdf5": _hdf5(),
+        "launcher_variables": {k: v for k, v in sorted(os.environ.items())
+                               if k.startswith(_LAUNCHER_PREFIXES)},
+        "settings": [{"name": s.name, "value": value, "default": s.default,
+                      "meaning": s.meaning} for s, value in settings.current()],
+        "unknown_settings": settings.unknown(),
+    }
+
+
+def _yes(value: Optional[bool], none: str) -> str:
+    return none if value is None else ("yes" if value else "no")
+
+
+def as_text(report: Dict[str, Any]) -> str:
+    """The report for people: one section per subject."""
+    mpi, launch, windows = report["mpi"], report["launch"], report["windows"]
+    hdf5 = report["hdf5"]
+    lines = [
+        f"tensorplay-hpc {report['tensorplay_hpc']}",
+        f"  python   {report['python']}",
+        f"  torch    {report['torch']} (CUDA build: {report['torch_cuda'] or 'none'})",
+        f"  mpi4py   {report['mpi4py']}",
+        f"  MPI      {mpi['library']} (MPI {mpi['standard']})",
+        "",
+        "this launch",
+        f"  ranks           {launch['ranks']} on {launch['nodes']} node(s): "
+        + ", ".join(f"{h} ({n})" for h, n in launch["ranks_per_host"].items()),
+        f"  thread level    {', '.join(mpi['thread_levels'])} "
+        f"(mpi4py asks for {mpi['thread_level_requested']})",
+        f"  windows         within a node: {_yes(windows['within_a_node'], '-')}; across "
+        f"nodes: {_yes(windows['across_nodes'], 'one node only, not probed')}",
+        f"  GPUs per rank   {', '.join(map(str, launch['gpus_per_rank']))}",
+        f"  CUDA-aware MPI  {_yes(report['cuda_aware_mpi']['answer'], '-')} "
+        f"(from {report['cuda_aware_mpi']['source']})",
+        f"  remote tensors  transport {report['rma_transport']}",
+        f"  parallel HDF5   "
+        + (f"h5py {hdf5['h5py']}, HDF5 {hdf5['hdf5']}, "
+           f"{'parallel (mpio)' if hdf5['parallel'] else 'SERIAL: checkpoints written rank after rank'}"
+           if hdf5.get("h5py") else f"h5py missing ({hdf5.get('error')})"),
+    ]
+    ompi = report["open_mpi"]
+    if ompi:
+        lines += ["", "Open MPI components (installed; selection parameter; left)"]
+        for framework, c in ompi["components"].items():
+            lines.append(f"  {framework:5} {','.join(c['installed']) or '-'}; "
+                         f"{c['parameter'] or '-'}; {','.join(c['candidates']) or '-'}")
+    lines += ["", "launcher variables"]
+    lines += [f"  {k}={v}" for k, v in report["launcher_variables"].items()] or ["  none"]
+    lines += ["", "settings"]
+    width = max(len(s["name"]) for s in report["settings"])
+    for s in report["settings"]:
+        value = f"unset (default {s['default']})" if s["value"] is None else s["value"]
+        lines += [f"  {s['name']:{width}}  {value}", f"      {s['meaning']}"]
+    for name in report["unknown_settings"]:
+        lines.append(f"  {name}: set, but no such setting")
+    return "\n".join(lines)

@@ -1,0 +1,59 @@
+"""Every environment variable the package reads, with its default and meaning: the one table
+that ``tensorplay-hpc env`` prints and docs/environment.md shows."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+from tensorplay_hpc.comm.capabilities import TRANSPORT_ENV
+from tensorplay_hpc.comm.chunking import CHUNK_ENV, MPI_COUNT_LIMIT, PIECE_BYTES, PIECE_ENV
+from tensorplay_hpc.comm.consistency import DEBUG_ENV
+from tensorplay_hpc.comm.cuda import CUDA_AWARE_ENV
+from tensorplay_hpc.comm.watchdog import TIMEOUT_ENV
+from tensorplay_hpc.distributed.optim.distributed_optimizer import DIRECT_ENV
+
+
+@dataclass(frozen=True)
+class Setting:
+    """An environment variable: its name, what it is when unset, and what it does."""
+
+    name: str
+    default: str
+    meaning: str
+
+
+SETTINGS: Tuple[Setting, ...] = (
+    Setting(TIMEOUT_ENV, "off",
+            "seconds a collective may wait before the job is aborted with a report of the "
+            "ranks not arrived; unset or 0: no watchdog"),
+    Setting(DEBUG_ENV, "0",
+            "1: every collective first checks that all ranks entered it with the same sizes, "
+            "dtype and root (slow)"),
+    Setting(CUDA_AWARE_ENV, "detected",
+            "1 or 0: whether GPU memory goes straight to MPI, instead of the detection"),
+    Setting(TRANSPORT_ENV, "auto",
+            "auto, shared, mpi or served: the transport of remote tensors (rma.share, "
+            "DistributedOptimizer)"),
+    Setting(DIRECT_ENV, "1",
+            "0: DistributedOptimizer fetches and puts back even where windows are in shared "
+            "memory"),
+    Setting(CHUNK_ENV, str(MPI_COUNT_LIMIT),
+            "the most elements handed to one MPI call; longer messages are split"),
+    Setting(PIECE_ENV, str(PIECE_BYTES),
+            "bytes per piece of a large blocking allreduce"),
+    Setting("TENSORPLAY_HPC_ROOT", "submit folder",
+            "jobs/*.sbatch: the repository, when the job is submitted from elsewhere"),
+)
+
+
+def current() -> List[Tuple[Setting, Optional[str]]]:
+    """Each setting with its value in this process's environment (``None`` when unset)."""
+    return [(setting, os.environ.get(setting.name)) for setting in SETTINGS]
+
+
+def unknown() -> List[str]:
+    """``TENSORPLAY_HPC_*`` variables that are set but are no setting (a typo, most likely)."""
+    known = {setting.name for setting in SETTINGS}
+    return sorted(name for name in os.environ
+                  if name.startswith("TENSORPLAY_HPC_") and name not in known)

@@ -1,0 +1,58 @@
+"""Tests of ``tensorplay-hpc env``: the report of this launch (in process, at every world size
+and across simulated nodes), the command, and the table of settings being complete."""
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+from mpi4py import MPI
+
+import tensorplay_hpc
+from tensorplay_hpc.diagnostics import settings
+from tensorplay_hpc.diagnostics.report import as_text, collect
+from launch import ONLY_UNDER_ONE_RANK, REPO, clean_env, single_rank
+
+WORLD = MPI.COMM_WORLD
+
+
+def test_the_report_describes_this_launch():
+    report = collect(WORLD)
+    hosts = list(dict.fromkeys(WORLD.allgather(MPI.Get_processor_name())))
+    assert report["launch"]["ranks"] == WORLD.Get_size()
+    assert report["launch"]["hosts"] == hosts
+    assert sum(report["launch"]["ranks_per_host"].values()) == WORLD.Get_size()
+    assert report["mpi"]["thread_levels"] == ["MPI_THREAD_MULTIPLE"]
+    assert report["windows"]["within_a_node"] is True
+    # Debian's Open MPI has no one-sided component between nodes over TCP.
+    assert report["windows"]["across_nodes"] is (None if len(hosts) == 1 else False)
+    assert report["hdf5"]["parallel"] is True
+    assert report["tensorplay_hpc"] == tensorplay_hpc.__version__
+    text = as_text(report)
+    assert f"ranks           {WORLD.Get_size()} on {len(hosts)} node(s)" in text
+    assert "windows         within a node: yes; across nodes: " + (
+        "one node only, not probed" if len(hosts) == 1 else "no") in text
+
+
+def test_every_setting_the_package_reads_is_in_the_table_and_the_docs():
+    names = set()
+    for path in list((REPO / "tensorplay_hpc").rglob("*.py")) + list((REPO / "jobs").iterdir()):
+        names |= set(re.findall(r"TENSORPLAY_HPC_[A-Z_]+[A-Z]", path.read_text()))
+    assert names == {s.name for s in settings.SETTINGS}
+    page = (REPO / "docs" / "environment.md").read_text()
+    for s in settings.SETTINGS:
+        assert f"| `{s.name}` | {s.default} |" in page, s.name
+
+
+@pytest.mark.skipif(not single_rank(), reason=ONLY_UNDER_ONE_RANK)
+def test_the_command_prints_json_with_the_settings_set():
+    env = clean_env(TENSORPLAY_HPC_DEBUG="1", TENSORPLAY_HPC_DEGUB="1")
+    result = subprocess.run([sys.executable, "-m", "tensorplay_hpc", "env", "--json"], cwd=REPO,
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    values = {s["name"]: s["value"] for s in report["settings"]}
+    assert values["TENSORPLAY_HPC_DEBUG"] == "1" and values["TENSORPLAY_HPC_CUDA_AWARE"] is None
+    assert report["unknown_settings"] == ["TENSORPLAY_HPC_DEGUB"]
+    assert report["open_mpi"]["components"]["btl"]["candidates"]
+    assert report["mpi"]["library"].startswith("Open MPI")
