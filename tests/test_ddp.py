@@ -1,6 +1,8 @@
 """DistributedDataParallel: parity with PyTorch's DDP over gloo, gradient accumulation, unused
-parameters, model checks, and communication hooks (plain averaging and post-local SGD)."""
+parameters, static graphs, zero-element parameters, model checks, misuse across ranks, and
+communication hooks (plain averaging and post-local SGD)."""
 import copy
+import time
 
 import pytest
 import torch
@@ -147,8 +149,9 @@ def test_unused_parameter_without_flag_is_an_error(world):
         ddp.zero_grad()
         reference.zero_grad()
         x, y = _batch(world.Get_rank(), step)
-        with pytest.raises(RuntimeError, match=r"on rank \d, parameters received no gradient.*"
-                                               r"'never.weight'.*find_unused_parameters=True"):
+        with pytest.raises(RuntimeError, match=rf"backward pass failed on {size} of {size} ranks: "
+                                               r"rank 0: RuntimeError: parameters received no "
+                                               r"gradient.*'never.weight'.*find_unused_parameters"):
             F.mse_loss(ddp(x, True), y).backward()
         for r in range(size):
             xr, yr = _batch(r, step)
@@ -169,6 +172,164 @@ def test_mismatched_models_raise_on_every_rank(world):
     with pytest.raises(ValueError, match=r"rank 1 has 6 entries against rank 0's 4.*position 4: "
                                          r"rank 0 has nothing, rank 1 has \('2.weight'"):
         DistributedDataParallel(extra)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_requires_grad_or_arguments_differing_raise_on_every_rank(world):
+    rank = world.Get_rank()
+    module = _mlp(seed=0)
+    module[2].bias.requires_grad_(rank != 1)
+    with pytest.raises(ValueError, match=r"the model: ranks \[1\] differ from rank 0.*position 3: "
+                                         r"rank 0 has \('2.bias', \(\(16,\), 'float32', 'cpu'\), "
+                                         r"'requires_grad=True'\), rank 1 has \('2.bias', "
+                                         r"\(\(16,\), 'float32', 'cpu'\), 'requires_grad=False'\)"):
+        DistributedDataParallel(module)
+    with pytest.raises(ValueError, match=r"the arguments: ranks \[1\] differ from rank 0.*rank 0 "
+                                         r"has \('bucket_cap_mb', 25.0\), rank 1 has "
+                                         r"\('bucket_cap_mb', 1.0\)"):
+        DistributedDataParallel(_mlp(seed=0), bucket_cap_mb=1 if rank == 1 else 25)
+
+
+class _OptionalHead(torch.nn.Module):
+    """A trunk, a head, and an ``extra`` head used only when asked."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(9)
+        self.trunk = torch.nn.Linear(8, 16)
+        self.head = torch.nn.Linear(16, 4)
+        self.extra = torch.nn.Linear(16, 4)
+
+    def forward(self, x, use_extra):
+        h = torch.tanh(self.trunk(x))
+        return self.head(h) + (self.extra(h) if use_extra else 0)
+
+
+def _mean_optional_head_grads(size, step, uses):
+    reference = _OptionalHead()
+    for r in range(size):
+        x, y = _batch(r, step)
+        (F.mse_loss(reference(x, uses(r)), y) / size).backward()
+    return [p.grad for p in reference.parameters()]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("hook", [False, True])
+def test_parameter_unused_on_one_rank_is_the_same_error_on_every_rank(world, hook):
+    rank, size = world.Get_rank(), world.Get_size()
+    ddp = DistributedDataParallel(_OptionalHead(), bucket_cap_mb=SMALL_BUCKETS_MB)
+    if hook:
+        ddp.register_comm_hook(None, allreduce_hook)
+    x, y = _batch(rank, 0)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=rf"DistributedDataParallel's backward pass failed on 1 "
+                                           rf"of {size} ranks: rank 1: RuntimeError: parameters "
+                                           r"received no gradient in the backward pass: "
+                                           r"\['extra.weight', 'extra.bias'\].*"
+                                           r"find_unused_parameters=True"):
+        F.mse_loss(ddp(x, rank != 1), y).backward()
+    assert time.monotonic() - start < 30
+    # Every bucket was reduced (rank 1 gave zeros for ``extra``), so the ranks are still in step.
+    expected = _mean_optional_head_grads(size, 0, lambda r: r != 1)
+    for p, e in zip(ddp.parameters(), expected):
+        torch.testing.assert_close(p.grad, e)
+    ddp.zero_grad()
+    x, y = _batch(rank, 1)
+    F.mse_loss(ddp(x, True), y).backward()
+    for p, e in zip(ddp.parameters(), _mean_optional_head_grads(size, 1, lambda r: True)):
+        torch.testing.assert_close(p.grad, e)
+
+
+def test_static_graph_matches_torch_ddp(world, gloo):
+    rank = world.Get_rank()
+    ours = DistributedDataParallel(_TwoHeads(), bucket_cap_mb=SMALL_BUCKETS_MB, static_graph=True)
+    theirs = torch.nn.parallel.DistributedDataParallel(
+        _TwoHeads(), bucket_cap_mb=SMALL_BUCKETS_MB, static_graph=True)
+    assert ours.static_graph and theirs.static_graph
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ours, theirs)]
+    use_b = rank % 2 == 0   # the same in every iteration; ``never`` is never used
+    for step in range(4):
+        x, y = _batch(rank, step)
+        for model, optimizer in zip((ours, theirs), optimizers):
+            optimizer.zero_grad()
+            F.mse_loss(model(x, use_b), y).backward()
+        _assert_grads_equal(ours, theirs)
+        assert ours.module.never.weight.grad is None
+        for optimizer in optimizers:
+            optimizer.step()
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a, b)
+    with pytest.warns(UserWarning, match="no need to set it again"):
+        ours._set_static_graph()
+    late = DistributedDataParallel(_mlp(seed=1), find_unused_parameters=True)
+    with pytest.warns(UserWarning, match="`_set_static_graph` will detect unused parameters"):
+        late._set_static_graph()
+    assert late.static_graph
+
+
+def test_static_graph_parameter_used_later_is_an_error_on_every_rank(world):
+    rank, size = world.Get_rank(), world.Get_size()
+    ddp = DistributedDataParallel(_OptionalHead(), bucket_cap_mb=SMALL_BUCKETS_MB)
+    ddp._set_static_graph()
+    x, y = _batch(rank, 0)
+    F.mse_loss(ddp(x, False), y).backward()   # learns: ``extra`` is unused
+    assert ddp.module.extra.weight.grad is None
+    with pytest.raises(RuntimeError, match=rf"failed on 1 of {size} ranks: rank 0: RuntimeError: "
+                                           r"parameters received a gradient but had none in the "
+                                           r"first iteration \(static_graph=True needs the same "
+                                           r"parameters used in every iteration\): "
+                                           r"\['extra.bias', 'extra.weight'\]"):
+        F.mse_loss(ddp(x, rank == 0), y).backward()
+
+
+class _WithEmpty(torch.nn.Module):
+    """Zero-element parameters first, between others and last in bucket order, a zero-element
+    buffer, and (``unused``) a zero-element parameter that the loss does not use."""
+
+    def __init__(self, seed, unused):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.empty_first = torch.nn.Parameter(torch.zeros(0, 8))
+        self.a = torch.nn.Linear(8, 16)
+        self.empty_middle = torch.nn.Parameter(torch.zeros(0))
+        self.b = torch.nn.Linear(16, 4)
+        self.empty_last = torch.nn.Parameter(torch.zeros(4, 0))
+        if unused:
+            self.empty_unused = torch.nn.Parameter(torch.zeros(0, 2))
+        self.register_buffer("empty_buffer", torch.zeros(0))
+
+    def forward(self, x):
+        h = torch.relu(self.a(x)) + (x @ self.empty_first.t()).sum()
+        return self.b(h + self.empty_middle.sum()) + (self.empty_last @ x[:, :0].t()).sum()
+
+
+@pytest.mark.parametrize("variant", ["default", "bucket_view", "tiny_buckets", "find_unused",
+                                     "allreduce_hook"])
+def test_zero_element_parameters_match_torch_ddp(world, gloo, variant):
+    rank = world.Get_rank()
+    module = _WithEmpty(seed=rank, unused=variant == "find_unused")
+    arguments = dict(bucket_cap_mb=1e-6 if variant == "tiny_buckets" else SMALL_BUCKETS_MB,
+                     gradient_as_bucket_view=variant == "bucket_view",
+                     find_unused_parameters=variant == "find_unused")
+    ours = DistributedDataParallel(copy.deepcopy(module), **arguments)
+    if variant == "allreduce_hook":
+        ours.register_comm_hook(None, allreduce_hook)
+    theirs = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(module), **arguments)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ours, theirs)]
+    for step in range(3):
+        x, y = _batch(rank, step)
+        for model, optimizer in zip((ours, theirs), optimizers):
+            optimizer.zero_grad()
+            F.mse_loss(model(x), y).backward()
+        _assert_grads_equal(ours, theirs)
+        for optimizer in optimizers:
+            optimizer.step()
+    for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
+        torch.testing.assert_close(a, b, msg=name)
+    assert ours.module.empty_first.grad.shape == (0, 8)
+    assert ours.module.empty_last.grad.shape == (4, 0)
+    if variant == "find_unused":
+        assert ours.module.empty_unused.grad is None
 
 
 def test_comm_hook_sees_buckets_and_may_return_a_future(world):

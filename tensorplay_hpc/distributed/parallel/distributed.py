@@ -9,6 +9,7 @@ or a ``torch.futures.Future`` of it; see
 """
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, List, Optional
 
@@ -33,19 +34,24 @@ class DistributedDataParallel(torch.nn.Module):
         module: the module to replicate (already on its device).
         process_group: the data-parallel group (``None`` is ``MPI.COMM_WORLD``).
         bucket_cap_mb: bucket size in MiB (the first bucket is at most 1 MiB).
-        find_unused_parameters: let parameters go without a gradient in some iterations (they
-            count as zeros; parameters unused on every rank keep their ``grad``). Without it,
-            a parameter without a gradient raises a ``RuntimeError`` after the backward pass.
+        find_unused_parameters: let parameters go without a gradient in some iterations or on
+            some ranks (they count as zeros; parameters unused on every rank keep their
+            ``grad``). Without it, a parameter without a gradient on any rank raises the same
+            ``RuntimeError`` on every rank when the backward pass ends.
         broadcast_buffers: broadcast buffers from rank 0 before each training forward pass.
         gradient_as_bucket_view: gradients are views into the bucket buffers (fewer copies).
+        static_graph: the same parameters are used in every iteration (see
+            :meth:`_set_static_graph`).
 
     Raises:
-        ValueError: the ranks' models differ (names the rank and the first difference).
+        ValueError: the ranks' models (names, shapes, dtypes, devices, ``requires_grad``) or
+            arguments differ (names the ranks and the first difference), on every rank.
     """
 
     def __init__(self, module: torch.nn.Module, process_group: Optional[MPI.Comm] = None,
                  bucket_cap_mb: float = 25, find_unused_parameters: bool = False,
-                 broadcast_buffers: bool = True, gradient_as_bucket_view: bool = False) -> None:
+                 broadcast_buffers: bool = True, gradient_as_bucket_view: bool = False,
+                 static_graph: bool = False) -> None:
         super().__init__()
         self.module = module
         self.process_group = comm.resolve(process_group)
@@ -53,8 +59,16 @@ class DistributedDataParallel(torch.nn.Module):
         named_params = list(module.named_parameters())
         named_buffers = list(module.named_buffers())
         named = named_params + named_buffers
-        comm.check_consistent(self._group.comm, "DistributedDataParallel: the model",
-                              comm.tensor_signature([n for n, _ in named], [t for _, t in named]))
+        signature = comm.tensor_signature([n for n, _ in named], [t for _, t in named])
+        comm.check_consistent(self._group.comm, "DistributedDataParallel: the model", [
+            (name, described, f"requires_grad={tensor.requires_grad}")
+            for (name, described), (_, tensor) in zip(signature, named)])
+        comm.check_consistent(self._group.comm, "DistributedDataParallel: the arguments", [
+            ("bucket_cap_mb", float(bucket_cap_mb)),
+            ("find_unused_parameters", bool(find_unused_parameters)),
+            ("broadcast_buffers", bool(broadcast_buffers)),
+            ("gradient_as_bucket_view", bool(gradient_as_bucket_view)),
+            ("static_graph", bool(static_graph))])
         self._buffers_to_sync = [b for _, b in named_buffers]
         with torch.no_grad():
             comm.broadcast_coalesced([p.detach() for _, p in named_params] + self._buffers_to_sync,
@@ -64,9 +78,33 @@ class DistributedDataParallel(torch.nn.Module):
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.require_backward_grad_sync = True
+        self.static_graph = False
         self.reducer = Reducer([p for _, p in trained], [name for name, _ in trained],
                                self._group.comm, int(bucket_cap_mb * 2**20),
                                find_unused_parameters, gradient_as_bucket_view)
+        if static_graph:
+            self._set_static_graph()
+
+    def _set_static_graph(self) -> None:
+        """Declare that the same parameters are used in every iteration, as PyTorch's method of
+        this name: the first backward pass learns which parameters have no gradient on each
+        rank, and later passes skip them without searching the graph (``find_unused_parameters``
+        is then not needed). Call it before training, on every rank; ``static_graph=True``
+        calls it. ZeroRedundancyOptimizer's ``overlap_with_ddp`` warms up one iteration longer
+        with it, as in PyTorch."""
+        if self.static_graph:
+            warnings.warn("You've set static_graph to be True, no need to set it again.",
+                          stacklevel=2)
+            return
+        self.static_graph = True
+        self.reducer.set_static_graph()
+        if self.find_unused_parameters:
+            warnings.warn(
+                "You passed find_unused_parameters=true to DistributedDataParallel, "
+                "`_set_static_graph` will detect unused parameters automatically, so you do not "
+                "need to set find_unused_parameters=true, just be sure these unused parameters "
+                "will not change during training loop while calling `_set_static_graph`.",
+                stacklevel=2)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the module; prepares the gradient reduction of the next backward pass."""

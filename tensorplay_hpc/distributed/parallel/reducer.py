@@ -4,8 +4,15 @@ Each parameter has a post-accumulate-grad hook. When it fires, the gradient is c
 slot of a flat bucket buffer (nothing to copy when it already lives there); when every slot of a
 bucket is filled, the bucket's reduction starts while the backward pass goes on. Buckets start
 strictly in index order, so every rank issues the same collectives in the same order whatever
-order its gradients arrive in. A callback queued on the autograd engine waits for all buckets when the backward pass
-ends and writes the averaged gradients back.
+order its gradients arrive in. A callback queued on the autograd engine waits for all buckets when
+the backward pass ends and writes the averaged gradients back.
+
+What goes wrong on one rank only (a parameter without a gradient there, a gradient arriving twice)
+must not leave the other ranks waiting: the missing gradients count as zeros, so every bucket is
+still reduced, and the callback then runs one small allreduce of a few bytes (a "problem" flag
+and which parameters were used) over the group. When any rank flags a problem, every rank raises
+the same ``RuntimeError``, naming the ranks and the parameters. The same allreduce tells
+``find_unused_parameters`` which parameters were used on some rank.
 
 The built-in reduction runs on a communication thread (:mod:`.comm_thread`): it waits without
 spinning until every rank has the bucket, then runs blocking allreduces in cache-sized pieces
@@ -164,6 +171,11 @@ class Reducer:
         self.comm = communicator
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = False
+        # Learnt in the first synchronized pass of a static graph: the parameters without a
+        # gradient on this rank, and which parameters had one on some rank.
+        self._static_unused: Optional[List[int]] = None
+        self._static_used: Optional[List[bool]] = None
         layout = assign_buckets(self.params, bucket_cap_bytes)
         self.buckets = [GradBucket(b, [self.params[i] for i in indices], b == len(layout) - 1)
                         for b, indices in enumerate(layout)]
@@ -188,11 +200,21 @@ class Reducer:
 
     def _reset(self) -> None:
         self._ready = [False] * len(self.params)
+        self._late: List[int] = []   # parameters whose gradient came when already ready
         self._pending = [len(bucket.flat) for bucket in self.buckets]
         self._next_bucket = 0
         self._results: List[Any] = []
         self._tested = 0
         self._started = False
+
+    def set_static_graph(self) -> None:
+        """The same parameters get gradients in every iteration: the first synchronized backward
+        pass learns which have none on this rank (they count as zeros, as with
+        ``find_unused_parameters``, without searching the graph), and later passes treat
+        exactly those as unused."""
+        self.static_graph = True
+        self._static_unused = None
+        self._static_used = None
 
     def register_comm_hook(self, state: Any, hook: Hook) -> None:
         if self._hook is not None:
@@ -209,7 +231,9 @@ class Reducer:
                 f"gradients on rank {self.comm.Get_rank()}; parameters still waiting: {waiting}")
         self.sync = sync
         self._unused = ()
-        if sync and self.find_unused_parameters:
+        if sync and self.static_graph:
+            self._unused = self._static_unused or ()
+        elif sync and self.find_unused_parameters:
             reached = reachable_parameters(outputs)
             self._unused = [i for i, p in enumerate(self.params) if id(p) not in reached]
 
@@ -224,11 +248,25 @@ class Reducer:
             for unused in self._unused:
                 self._mark_ready(unused)
         if self._ready[index]:
-            raise RuntimeError(
-                f"DistributedDataParallel: parameter {self.names[index]!r} received a gradient "
-                f"twice in one backward pass on rank {self.comm.Get_rank()}")
+            self._late.append(index)   # reported when the pass ends, on every rank
+            return
         self._mark_ready(index)
         self._progress()
+
+    def _late_gradients(self) -> List[str]:
+        """What the gradients of parameters that were already ready mean."""
+        kinds: Dict[str, List[str]] = {}
+        for index in self._late:
+            if index in self._unused and self.static_graph:
+                kind = ("parameters received a gradient but had none in the first iteration "
+                        "(static_graph=True needs the same parameters used in every iteration)")
+            elif index in self._unused:
+                kind = ("parameters received a gradient although the forward pass's output does "
+                        "not depend on them")
+            else:
+                kind = "parameters received a gradient twice in one backward pass"
+            kinds.setdefault(kind, []).append(self.names[index])
+        return [f"{kind}: {names}" for kind, names in kinds.items()]
 
     def _mark_ready(self, index: int) -> None:
         """Put parameter ``index``'s gradient (zeros if it has none) into its bucket slot."""
@@ -267,34 +305,46 @@ class Reducer:
             self._tested += 1
 
     def _finalize(self) -> None:
-        """Runs when the backward pass ends: completes every bucket, writes gradients back."""
+        """Runs when the backward pass ends: completes every bucket, agrees with the other ranks
+        that nothing went wrong anywhere, writes gradients back. Collective."""
         try:
             missing = [i for i, ready in enumerate(self._ready) if not ready]
+            learning = self.static_graph and self._static_unused is None
+            problems = self._late_gradients()
+            if missing and not (self.find_unused_parameters or learning):
+                problems.append(
+                    f"parameters received no gradient in the backward pass: "
+                    f"{[self.names[i] for i in missing]}; if they are not used in producing the "
+                    "loss on some ranks or in some iterations, pass find_unused_parameters=True "
+                    "(their gradients were averaged as zeros meanwhile)")
             for index in missing:   # zeros keep the collectives matched on every rank
                 self._mark_ready(index)
             for bucket, result in zip(self.buckets, self._results):
                 reduced = _reduced_tensor(result)
                 if reduced.data_ptr() != bucket.buffer().data_ptr():
                     bucket.set_buffer(reduced)
-            used = self._globally_used()
-            self._write_back(used)
+            failed, used = self._agree_on_pass(bool(problems))
+            if learning:
+                self._static_unused, self._static_used = missing, used
+            if self.static_graph:
+                self._write_back(self._static_used)
+            else:
+                self._write_back(used if self.find_unused_parameters else None)
         finally:
             self._used = [False] * len(self.params)
             self._reset()
-        if missing and not self.find_unused_parameters:
-            raise RuntimeError(
-                f"DistributedDataParallel: on rank {self.comm.Get_rank()}, parameters received no "
-                f"gradient in the backward pass: {[self.names[i] for i in missing]}. Pass "
-                "find_unused_parameters=True if some parameters are not used in the loss "
-                "(the other ranks' gradients were averaged with zeros for them).")
+        if failed:
+            error = RuntimeError("; ".join(problems)) if problems else None
+            comm.agree(self.comm, error, "DistributedDataParallel's backward pass")
 
-    def _globally_used(self) -> Optional[List[bool]]:
-        """Which parameters had a gradient on some rank (``None``: all, without the search)."""
-        if not self.find_unused_parameters:
-            return None
-        used = torch.tensor(self._used, dtype=torch.bool)
-        comm.all_reduce(used, self.comm, comm.ReduceOp.MAX)
-        return used.tolist()
+    def _agree_on_pass(self, problem: bool = False) -> Tuple[bool, List[bool]]:
+        """Whether any rank had a ``problem`` in this pass, and which parameters had a gradient
+        on some rank (since the last synchronized pass). Collective: one allreduce of
+        ``1 + len(params)`` bytes."""
+        flags = torch.tensor([problem, *self._used], dtype=torch.bool)
+        comm.all_reduce(flags, self.comm, comm.ReduceOp.MAX)
+        values = flags.tolist()
+        return values[0], values[1:]
 
     def _write_back(self, used: Optional[List[bool]]) -> None:
         targets, sources = [], []
