@@ -544,14 +544,18 @@ def test_overlap_with_ddp(world, optimizer_class, kwargs):
         zero.consolidate_state_dict()
     ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))
     assert len(ddp.buckets) == 3
-    # buckets of 27, 48 and 40 elements, each to the least loaded rank
-    expected_owners = {1: [0, 0, 0], 2: [0, 1, 0], 4: [0, 1, 2]}
+    # buckets of 27, 48 and 40 elements, bucket b to rank b % size (PyTorch's assignment)
+    expected_owners = {1: [[0], [0], [0]], 2: [[0], [1], [0]], 4: [[0], [1], [2]]}
     if size in expected_owners:
         assert zero._overlap.owners == expected_owners[size]
     plain = optimizer_class(reference.parameters(), **kwargs)
+    for step in range(2):   # PyTorch's warm-up: gradients are averaged, parameters stay
+        ddp(_rank_data(rank, step)).sin().sum().backward()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p, q, rtol=0, atol=0)
     for step in range(6):
         zero.zero_grad()
-        ddp(_rank_data(rank, step)).sin().sum().backward()  # steps: no warm-up, no zero.step()
+        ddp(_rank_data(rank, step)).sin().sum().backward()  # steps: no zero.step()
         plain.zero_grad()
         for r in range(size):
             reference(_rank_data(r, step)).sin().sum().backward()

@@ -1,42 +1,54 @@
 """ZeroRedundancyOptimizer's step overlapped with DistributedDataParallel's backward pass
-(``overlap_with_ddp=True``).
+(``overlap_with_ddp=True``), as PyTorch's ``ddp_zero_hook``.
 
-The shard of each rank is then made of whole DDP gradient buckets: in bucket order, each bucket
-goes to the rank with the smallest load so far (ties to the lowest rank). The parameters of each
-bucket become views into one flat buffer. The communication hook made by
-:func:`~tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook.hook_with_zero_step`
-wraps a reduction hook (such as ``allreduce_hook``); as soon as a bucket's reduction has
-completed (DDP tests it after every gradient, so this happens while the backward pass goes on,
-and at the latest when it ends), the bucket's owner steps the bucket's parameters with the
-reduced gradients and a nonblocking broadcast from the owner sends them to every rank. When
-``backward()`` returns, every broadcast has completed: the parameters are updated everywhere and
-no ``step()`` call is needed (it warns and does nothing).
+The shard of each rank is made of DDP gradient buckets (:mod:`.bucket_assignment`): whole
+buckets, bucket ``b`` to rank ``b % world_size``, or with ``shard_buckets=True`` runs of each
+bucket's parameters spread so that every rank owns about the same number of elements. The
+parameters of each bucket become views into one flat buffer. The communication hooks made by
+:mod:`~tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook` wrap a reduction hook
+(such as ``allreduce_hook``); once a bucket's reduction has completed, each owner of part of the
+bucket steps its parameters with the reduced gradients and a nonblocking broadcast from the
+owner sends them to every rank:
 
-Warm-up: none. PyTorch skips the step in the first two iterations while its DDP rebuilds the
-buckets; this package's DDP fixes its buckets at construction, so the first backward pass
-already steps.
+- ``hook_with_zero_step``: every bucket is stepped when the last bucket's hook runs;
+- ``hook_with_zero_step_interleaved``: each bucket as soon as its reduction has completed (DDP
+  tests it after every gradient, so this happens while the backward pass goes on, and at the
+  latest when it ends).
 
-Parameters are updated during the backward pass: a parameter must not be needed by the
+When ``backward()`` returns, every broadcast has completed: the parameters are updated
+everywhere and no ``step()`` call is needed (it warns and does nothing).
+
+Warm-up, as in PyTorch: the first two synchronized backward passes (three after DDP's
+``static_graph``) only reduce the gradients, without stepping; PyTorch's DDP settles its buckets
+in them. Parameters are updated during the backward pass: a parameter must not be needed by the
 backward pass after its gradient is ready (shared weights are not supported), as in PyTorch.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, List
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, List, Tuple
 
 import torch
 
 from tensorplay_hpc import comm
 from tensorplay_hpc.distributed.parallel.reducer import _done, _reduced_tensor
 
+from .bucket_assignment import BucketShard, sharded_buckets, whole_buckets
 from .partition import Partition
 
 if TYPE_CHECKING:
     from .zero_redundancy_optimizer import ZeroRedundancyOptimizer
 
+Hook = Callable[[Any, Any], Any]
+
+WARMUP_ITERATIONS = 2
+"""Synchronized backward passes that do not step (one more with a static graph)."""
+
 
 class _BucketStep:
-    """A bucket's reduction in flight, followed by the owner's step and the broadcast; what the
-    wrapped hook returns to DDP (``is_completed()`` and ``wait()`` like the reduction's)."""
+    """A bucket's reduction in flight, followed by the owners' step and the broadcasts; what
+    the interleaved hook returns to DDP (``is_completed()`` and ``wait()`` like the
+    reduction's)."""
 
     def __init__(self, overlap: "DDPOverlap", bucket: Any, reduction: Any) -> None:
         self._overlap = overlap
@@ -71,44 +83,68 @@ class DDPOverlap:
         ValueError: a parameter of ``ddp``'s buckets is not one of ``zero``'s.
     """
 
-    def __init__(self, zero: "ZeroRedundancyOptimizer", ddp: Any) -> None:
+    def __init__(self, zero: "ZeroRedundancyOptimizer", ddp: Any, shard_buckets: bool) -> None:
         self.zero = zero
-        buckets = [bucket.parameters() for bucket in ddp.buckets]
-        loads = [0] * zero.world_size
-        self.owners: List[int] = []
+        self._ddp = weakref.ref(ddp)
+        self.params = [bucket.parameters() for bucket in ddp.buckets]
+        numels = [[p.numel() for p in params] for params in self.params]
+        assign = sharded_buckets if shard_buckets else whole_buckets
+        self.shards: List[List[BucketShard]] = assign(numels, zero.world_size)
         rank_of = [0] * len(zero.params_by_index)   # parameters in no bucket never step
-        for params in buckets:
-            owner = min(range(zero.world_size), key=loads.__getitem__)
-            self.owners.append(owner)
-            loads[owner] += sum(p.numel() for p in params)
+        for params in self.params:
             for param in params:
                 if param not in zero._index_of:
                     raise ValueError(
                         "overlap_with_ddp: a parameter of the DistributedDataParallel model (shape "
                         f"{tuple(param.shape)}) is not one of the optimizer's (rank {zero.rank})")
-                rank_of[zero._index_of[param]] = owner
+        for shard in (s for shards in self.shards for s in shards):
+            for param in self.params[shard.bucket][shard.start:shard.stop]:
+                rank_of[zero._index_of[param]] = shard.rank
         zero._init_local_optimizer(Partition.assigned(
             rank_of, zero.world_size, [p.numel() for p in zero.params_by_index]))
-        self.params = buckets
         self.flats = []
-        for params in buckets:
+        for params in self.params:
             flat = comm.FlatBuffer([p.shape for p in params], params[0].dtype, params[0].device)
             with torch.no_grad():
                 flat.copy_from(params)
             for param, view in zip(params, flat.views):
                 param.data = view
             self.flats.append(flat)
+        self.iterations = 0   # synchronized backward passes seen, warm-up included
+        self._stepping = False
         self._broadcasts: List[comm.Work] = []
+        self._reduced: List[Tuple[int, Any]] = []
+
+    @property
+    def owners(self) -> List[List[int]]:
+        """The ranks owning parameters of each bucket, in parameter order."""
+        return [[shard.rank for shard in shards] for shards in self.shards]
+
+    def _warmup_iterations(self) -> int:
+        ddp = self._ddp()
+        return WARMUP_ITERATIONS + int(bool(ddp is not None and ddp.static_graph))
+
+    def _steps_in_this_pass(self, bucket: Any) -> bool:
+        """Whether this backward pass steps; counts the passes (at their last bucket)."""
+        if bucket.index() == 0:
+            self._stepping = self.iterations >= self._warmup_iterations()
+        if bucket.is_last():
+            self.iterations += 1
+        return self._stepping
 
     def step_bucket(self, index: int, reduced: torch.Tensor) -> None:
-        """Step bucket ``index``'s parameters on its owner, then start sending them."""
-        owner = self.owners[index]
-        if owner == self.zero.rank:
-            grads = comm.FlatBuffer([p.shape for p in self.params[index]], reduced.dtype,
-                                    reduced.device, buffer=reduced.reshape(-1)).views
-            self.zero._step_with_gradients(self.params[index], grads)
-        self._broadcasts.append(comm.broadcast(self.flats[index].buffer, self.zero._group.comm,
-                                               owner, async_op=True))
+        """Step this rank's parameters of bucket ``index``, then start sending every owner's."""
+        grads = comm.FlatBuffer([p.shape for p in self.params[index]], reduced.dtype,
+                                reduced.device, buffer=reduced.reshape(-1)).views
+        flat = self.flats[index]
+        for shard in self.shards[index]:
+            if shard.rank == self.zero.rank:
+                self.zero._step_with_gradients(self.params[index][shard.start:shard.stop],
+                                               grads[shard.start:shard.stop])
+            end = flat.offsets[shard.stop] if shard.stop < len(flat) else flat.buffer.numel()
+            self._broadcasts.append(comm.broadcast(flat.buffer[flat.offsets[shard.start]:end],
+                                                   self.zero._group.comm, shard.rank,
+                                                   async_op=True))
 
     def finish(self) -> None:
         """Wait for every broadcast of this iteration."""
@@ -116,8 +152,28 @@ class DDPOverlap:
             work.wait()
         self._broadcasts.clear()
 
-    def hook(self, reduce: Callable[[Any, Any], Any]) -> Callable[[Any, Any], _BucketStep]:
-        """A DDP communication hook: ``reduce(state, bucket)``, then the step of the bucket."""
-        def reduce_then_step(state: Any, bucket: Any) -> _BucketStep:
-            return _BucketStep(self, bucket, reduce(state, bucket))
+    def interleaved_hook(self, reduce: Hook) -> Hook:
+        """A DDP communication hook: ``reduce(state, bucket)``, then the bucket's step as soon as
+        the reduction has completed."""
+        def reduce_then_step(state: Any, bucket: Any) -> Any:
+            reduction = reduce(state, bucket)
+            if not self._steps_in_this_pass(bucket):
+                return reduction
+            return _BucketStep(self, bucket, reduction)
         return reduce_then_step
+
+    def hook_stepping_after_last(self, reduce: Hook) -> Hook:
+        """A DDP communication hook: ``reduce(state, bucket)``; the last bucket's call waits for
+        every bucket's reduction in turn and steps it."""
+        def reduce_then_step_at_last(state: Any, bucket: Any) -> Any:
+            reduction = reduce(state, bucket)
+            if not self._steps_in_this_pass(bucket):
+                return reduction
+            self._reduced.append((bucket.index(), reduction))
+            if bucket.is_last():
+                for index, pending in self._reduced:
+                    self.step_bucket(index, _reduced_tensor(pending))
+                self._reduced.clear()
+                self.finish()
+            return reduction
+        return reduce_then_step_at_last

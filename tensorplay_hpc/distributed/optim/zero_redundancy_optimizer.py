@@ -20,8 +20,7 @@ Where this differs from PyTorch's class:
 - :attr:`state` shows this rank's shard of the state (other parameters read as empty);
 - the join hook steps without announcing itself again, so ZeRO works alone in a :class:`Join`;
 - ``overlap_with_ddp=True`` wraps any ``torch.optim`` class (no functional optimizer needed)
-  and has no warm-up iterations: the first backward pass already steps (see
-  :mod:`.ddp_overlap` and ``ddp_comm_hooks.ddp_zero_hook.hook_with_zero_step``).
+  and runs on any MPI communicator (see :mod:`.ddp_overlap`, ``ddp_comm_hooks.ddp_zero_hook``).
 
 Internal API, for checkpointing (stable within this package):
 
@@ -164,10 +163,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         process_group: an mpi4py intracommunicator; ``None`` is ``MPI.COMM_WORLD``.
         parameters_as_bucket_view: make the parameters views into one flat buffer per dtype and
             device (their ``.data`` is replaced), so the sync after a step copies nothing.
-        overlap_with_ddp: step each rank's shard during DDP's backward pass, as soon as the
+        overlap_with_ddp: step each rank's shard during DDP's backward pass, once the
             gradient buckets it owns are reduced (see :mod:`.ddp_overlap`): register
             ``hook_with_zero_step(allreduce_hook, ddp, zero)`` as the DDP communication hook
-            and do not call :meth:`step`. One param group only.
+            and do not call :meth:`step`; the first two backward passes do not step, as in
+            PyTorch. One param group only.
         **defaults: hyperparameters passed to the local optimizers.
 
     Raises:
@@ -230,15 +230,15 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         _copy_hyperparameters(self.optim.param_groups, self.param_groups)
         self.state = _ShardState(self.optim.state)
 
-    def _overlap_with(self, ddp: Any) -> DDPOverlap:
+    def _overlap_with(self, ddp: Any, shard_buckets: bool = False) -> DDPOverlap:
         """Take the partition from ``ddp``'s gradient buckets (``overlap_with_ddp=True``)."""
         if not self._overlap_with_ddp:
-            raise RuntimeError("hook_with_zero_step needs a ZeroRedundancyOptimizer built with "
-                               f"overlap_with_ddp=True (rank {self.rank})")
+            raise ValueError("ZeroRedundancyOptimizer must be constructed with `overlap_with_ddp"
+                             f"=True` to use this hook properly (rank {self.rank})")
         if self._overlap is not None:
             raise RuntimeError("this ZeroRedundancyOptimizer is already overlapped with a "
                                f"DistributedDataParallel model (rank {self.rank})")
-        self._overlap = DDPOverlap(self, ddp)
+        self._overlap = DDPOverlap(self, ddp, shard_buckets)
         return self._overlap
 
     def _require_local_optimizer(self, what: str) -> None:
