@@ -174,7 +174,7 @@ def test_train_sbatch_is_signalled_requeued_and_finishes_like_an_uninterrupted_r
     job = cluster.sbatch([f"--output={output}", "jobs/train.sbatch", *TINY, *RUN], cwd=REPO,
                          env=clean_env(RUN_DIR=str(run_dir)))
     log = _signal_and_finish(cluster, job, output, run_dir, uninterrupted)
-    assert "2 ranks on " in log
+    assert "2 ranks of 1 CPUs on " in log
 
 
 @nested
@@ -204,7 +204,7 @@ def test_train_sbatch_on_two_nodes_is_signalled_requeued_and_finishes_like_an_un
                             "jobs/train.sbatch", *TINY, *RUN],
                            cwd=REPO, env=clean_env(RUN_DIR=str(run_dir)))
     log = _signal_and_finish(two_nodes, job, output, run_dir, uninterrupted_on_two_nodes)
-    assert "4 ranks on n[1-2]" in log
+    assert "4 ranks of 1 CPUs on n[1-2]" in log
 
 
 @nested
