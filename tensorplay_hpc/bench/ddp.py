@@ -2,7 +2,13 @@
 without the optimizer (zero_grad, forward, backward with the gradient averaging) against
 PyTorch's DistributedDataParallel over gloo, and against the limit without overlap (a plain
 forward and backward, then one raw mpi4py ``Allreduce`` of all the gradients' bytes in one
-numpy array)."""
+numpy array).
+
+Every synchronized backward pass ends with the ranks' agreement that no rank had a parameter
+without a gradient (one allreduce of a few bytes, see
+:mod:`tensorplay_hpc.distributed.parallel.reducer`): its cost is measured alone, against a raw
+``Allreduce`` of as many bytes, and as a share of the step of the benchmark MLP and of a small
+MLP (3 layers of width 64, where the per-step overhead weighs most)."""
 from __future__ import annotations
 
 import copy
@@ -27,6 +33,31 @@ def _step(model: torch.nn.Module, x: torch.Tensor):
     return step
 
 
+def _agreement(report: Report, module: torch.nn.Module, small: torch.nn.Module,
+               step_s: float) -> None:
+    """The end-of-backward agreement alone, and its share of a step."""
+    world = MPI.COMM_WORLD
+    ours = DistributedDataParallel(copy.deepcopy(module))
+    flags = np.zeros(1 + len(ours.reducer.params), dtype=np.bool_)
+
+    def raw() -> None:
+        world.Allreduce(MPI.IN_PLACE, [flags, MPI.C_BOOL], op=MPI.LOR)
+
+    x = torch.randn(BATCH, small[0].in_features,
+                    generator=torch.Generator().manual_seed(world.Get_rank()))
+    small_ddp = DistributedDataParallel(copy.deepcopy(small))
+    small_theirs = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(small))
+    agree_s, raw_s, small_s, small_theirs_s = compare(
+        [ours.reducer._agree_on_pass, raw, _step(small_ddp, x), _step(small_theirs, x)],
+        report.repeat)
+    report.add("ddp", "end-of-backward agreement", agree_s, "mpi4py-raw", raw_s,
+               nbytes=flags.nbytes, mlp_step_share_pct=round(100 * agree_s / step_s, 3),
+               small_step_share_pct=round(100 * agree_s / small_s, 2))
+    report.add("ddp", f"fwd+bwd small MLP, batch {BATCH}", small_s, "torch-gloo", small_theirs_s,
+               nbytes=4 * sum(p.numel() for p in small.parameters()),
+               agreement_share_pct=round(100 * agree_s / small_s, 2))
+
+
 def run(report: Report) -> None:
     world = MPI.COMM_WORLD
     init_gloo(world)
@@ -42,12 +73,15 @@ def run(report: Report) -> None:
         world.Allreduce(MPI.IN_PLACE, [flat, MPI.FLOAT])
 
     theirs = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(module))
+    step_s = {}
     for bucket_view in (False, True):
         ours = DistributedDataParallel(copy.deepcopy(module), gradient_as_bucket_view=bucket_view)
         ours_s, theirs_s, raw_s, local_s = compare(
             [_step(ours, x), _step(theirs, x), raw, local], report.repeat)
+        step_s[bucket_view] = ours_s
         case = f"fwd+bwd batch {BATCH}, bucket view {'on' if bucket_view else 'off'}"
         extra = {"local_fwd_bwd_ms": round(local_s * 1e3, 1), "buckets": len(ours.buckets)}
         report.add("ddp", case, ours_s, "torch-gloo", theirs_s, nbytes=4 * numel, **extra)
         report.add("ddp", case, ours_s, "mpi4py-raw", raw_s, nbytes=4 * numel, **extra)
         del ours
+    _agreement(report, module, mlp(layers=3, width=64), step_s[False])

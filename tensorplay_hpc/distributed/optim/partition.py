@@ -8,6 +8,7 @@ This is the assignment PyTorch's ``ZeroRedundancyOptimizer`` makes, so shards li
 """
 from __future__ import annotations
 
+import heapq
 from typing import List, Sequence
 
 
@@ -54,12 +55,15 @@ class Partition:
         first = len(self.rank_of)
         self.rank_of.extend([-1] * len(numels))
         per_rank: List[List[int]] = [[] for _ in range(self.world_size)]
-        largest_first = sorted(range(len(numels)), key=lambda i: numels[i], reverse=True)
+        least_loaded = [(load, rank) for rank, load in enumerate(self.loads)]  # a heap
+        heapq.heapify(least_loaded)
+        largest_first = sorted(range(len(numels)), key=numels.__getitem__, reverse=True)
         for position in largest_first:
-            rank = min(range(self.world_size), key=self.loads.__getitem__)
+            rank = least_loaded[0][1]
             per_rank[rank].append(first + position)
             self.rank_of[first + position] = rank
             self.loads[rank] += int(numels[position])
+            heapq.heapreplace(least_loaded, (self.loads[rank], rank))
         self.groups.append(per_rank)
         return per_rank
 

@@ -1,11 +1,12 @@
 """Gathering sharded optimizer state on one rank as flat buffers.
 
 Every rank holds the state of the parameters it owns, keyed by global parameter index. To
-consolidate, each rank packs its state tensors into one flat host buffer per dtype and the buffers
-go to the target rank through one ``gather`` per dtype; only small metadata is pickled (indices,
-keys, shapes, the values of 0-dimensional tensors such as ``step``, and non-tensor values). The
-target rebuilds the tensors as views of the received buffers, so consolidation needs the memory of
-the state once, on the host, and nothing on the other ranks but a copy of their own shard.
+consolidate, each rank packs its state tensors into one flat host buffer per stream (dtype and
+device, 0-dimensional values such as ``step`` apart) and the buffers go to the target rank
+through one ``gather`` per stream; only small metadata is pickled (indices, keys, shapes and
+non-tensor values). The target rebuilds the tensors as views of the received buffers, a few
+calls per stream rather than a few per tensor, so consolidation needs the memory of the state
+once, on the host, and nothing on the other ranks but a copy of their own shard.
 """
 from __future__ import annotations
 
@@ -17,58 +18,82 @@ from mpi4py import MPI
 from tensorplay_hpc import comm
 
 State = Dict[int, Dict[Any, Any]]
+Stream = Tuple[torch.dtype, torch.device, bool]
+"""``(dtype, device, 0-dimensional)``: state tensors that travel in one flat buffer."""
 
-_TENSOR, _SCALAR, _OBJECT = "tensor", "scalar", "object"
 
+class _Shard:
+    """One rank's state taken apart: the key order of each entry, the tensors by stream (with
+    ``(index, key, shape)`` of each) and the other values."""
 
-def _describe(state: State) -> Tuple[List[tuple], Dict[torch.dtype, List[torch.Tensor]]]:
-    """Metadata entries ``(index, key, kind, payload)`` and the tensors to send, by dtype."""
-    entries: List[tuple] = []
-    tensors: Dict[torch.dtype, List[torch.Tensor]] = {}
-    for index, values in state.items():
-        for key, value in values.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                tensors.setdefault(value.dtype, []).append(value)
-                entries.append((index, key, _TENSOR, (value.dtype, tuple(value.shape))))
-            elif isinstance(value, torch.Tensor):
-                entries.append((index, key, _SCALAR, (value.dtype, value.item())))
+    def __init__(self, state: State) -> None:
+        self.keys: List[Tuple[int, tuple]] = []
+        self.layouts: Dict[Stream, List[tuple]] = {}
+        self.tensors: Dict[Stream, List[torch.Tensor]] = {}
+        self.objects: List[tuple] = []
+        for index, values in state.items():
+            self.keys.append((index, tuple(values)))
+            for key, value in values.items():
+                if isinstance(value, torch.Tensor):
+                    shape = tuple(value.shape)
+                    stream = (value.dtype, value.device, not shape)
+                    if stream not in self.tensors:
+                        self.layouts[stream], self.tensors[stream] = [], []
+                    self.layouts[stream].append((index, key, shape))
+                    self.tensors[stream].append(value)
+                else:
+                    self.objects.append((index, key, value))
+
+    def metadata(self) -> tuple:
+        return self.keys, self.layouts, self.objects
+
+    def counts(self) -> Dict[Stream, int]:
+        return {stream: sum(t.numel() for t in tensors)
+                for stream, tensors in self.tensors.items()}
+
+    def pack(self, stream: Stream) -> torch.Tensor:
+        """The stream's tensors back to back in one new host buffer."""
+        dtype, _, scalar = stream
+        tensors = self.tensors.get(stream)
+        if not tensors:
+            return torch.empty(0, dtype=dtype)
+        with torch.no_grad():
+            if scalar:
+                flat = torch.stack(tensors)
             else:
-                entries.append((index, key, _OBJECT, value))
-    return entries, tensors
+                flat = torch.cat([t if t.dim() == 1 else t.reshape(-1) for t in tensors])
+        return flat.to("cpu")
 
 
-def _pack(tensors: List[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    flat = comm.FlatBuffer([t.shape for t in tensors], dtype, "cpu")
-    flat.copy_from([t.detach() for t in tensors])
-    return flat.buffer
+def _unpack(flat: torch.Tensor, layout: List[tuple], scalar: bool) -> List[torch.Tensor]:
+    """Views of ``flat``, one per ``(index, key, shape)`` of ``layout``."""
+    if scalar:
+        return list(flat.unbind())
+    pieces = flat.split([torch.Size(shape).numel() for _, _, shape in layout])
+    return [piece if len(shape) == 1 else piece.view(shape)
+            for piece, (_, _, shape) in zip(pieces, layout)]
 
 
 def gather_state(state: State, group: MPI.Intracomm, root: int) -> Optional[State]:
     """Every rank's ``state`` (global index -> state dict) merged on rank ``root``, with its tensors
     on the host; ``None`` on the other ranks. Collective over ``group``."""
-    entries, tensors = _describe(state)
-    counts = {dtype: sum(t.numel() for t in ts) for dtype, ts in tensors.items()}
-    all_counts = group.allgather(counts)
-    all_entries = group.gather(entries, root=root)
+    shard = _Shard(state)
+    all_counts = group.allgather(shard.counts())
+    all_metadata = group.gather(shard.metadata(), root=root)
     flats = {}
-    for dtype in sorted({d for c in all_counts for d in c}, key=str):
-        send = _pack(tensors.get(dtype, []), dtype)
-        flats[dtype] = comm.gather(send, group, root, [c.get(dtype, 0) for c in all_counts])
+    for stream in sorted({s for counts in all_counts for s in counts}, key=str):
+        flats[stream] = comm.gather(shard.pack(stream), group, root,
+                                    [counts.get(stream, 0) for counts in all_counts])
     if group.Get_rank() != root:
         return None
 
-    merged: State = {}
-    cursor = {dtype: 0 for dtype in flats}
-    for rank_entries in all_entries:
-        for index, key, kind, payload in rank_entries:
-            if kind == _TENSOR:
-                dtype, shape = payload
-                start = cursor[dtype]
-                cursor[dtype] = start + torch.Size(shape).numel()
-                value = flats[dtype][start:cursor[dtype]].view(shape)
-            elif kind == _SCALAR:
-                value = torch.tensor(payload[1], dtype=payload[0])
-            else:
-                value = payload
-            merged.setdefault(index, {})[key] = value
+    merged: State = {index: dict.fromkeys(keys)
+                     for keys_of_rank, _, _ in all_metadata for index, keys in keys_of_rank}
+    for stream, flat in flats.items():
+        layout = [entry for _, layouts, _ in all_metadata for entry in layouts.get(stream, [])]
+        for (index, key, _), value in zip(layout, _unpack(flat, layout, stream[2])):
+            merged[index][key] = value
+    for _, _, objects in all_metadata:
+        for index, key, value in objects:
+            merged[index][key] = value
     return merged

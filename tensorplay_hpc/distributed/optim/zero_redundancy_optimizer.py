@@ -18,6 +18,11 @@ Where this differs from PyTorch's class:
   are copied, never aliased) and accepts a state dict of a plain ``torch.optim`` optimizer or
   one consolidated at any world size;
 - :attr:`state` shows this rank's shard of the state (other parameters read as empty);
+- ranks that disagree (parameters, ``requires_grad``, param groups, the ``to`` of
+  :meth:`~ZeroRedundancyOptimizer.consolidate_state_dict`, the loaded param groups) get the same
+  ``ValueError`` on every rank instead of a hang or a truncated message; each check is one
+  allgather of a digest, one per :meth:`~ZeroRedundancyOptimizer.step` too (``requires_grad``
+  may change between steps), which makes ``load_state_dict`` collective;
 - the join hook steps without announcing itself again, so ZeRO works alone in a :class:`Join`;
 - ``overlap_with_ddp=True`` wraps any ``torch.optim`` class (no functional optimizer needed)
   and runs on any MPI communicator (see :mod:`.ddp_overlap`, ``ddp_comm_hooks.ddp_zero_hook``).
@@ -37,6 +42,7 @@ Internal API, for checkpointing (stable within this package):
 from __future__ import annotations
 
 import copy
+import hashlib
 import warnings
 from collections.abc import Mapping
 from itertools import chain
@@ -47,9 +53,11 @@ from mpi4py import MPI
 from torch.optim import Optimizer
 
 from tensorplay_hpc import comm
+from tensorplay_hpc.comm.consistency import Item
 from tensorplay_hpc.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from .ddp_overlap import DDPOverlap
+from .optimizer_class import check_optimizer_class
 from .partition import Partition
 from .shard_buffer import ShardBuffer
 from .state_gather import gather_state
@@ -64,45 +72,63 @@ def _typename(value: Any) -> str:
     return torch.typename(value) if isinstance(value, torch.Tensor) else type(value).__name__
 
 
-def _check_dense_tensors(params: Iterable[Any], rank: int) -> None:
+# Errors of local checks leave out the rank: they are raised only once every rank is known to
+# have raised the same one (see ZeroRedundancyOptimizer._agree).
+
+
+def _check_dense_tensors(params: Iterable[Any]) -> None:
     for position, param in enumerate(params):
         if not isinstance(param, torch.Tensor):
             raise TypeError(f"ZeroRedundancyOptimizer can only optimize tensors, but parameter "
-                            f"{position} is a {_typename(param)} (rank {rank})")
+                            f"{position} is a {_typename(param)}")
         if param.layout != torch.strided:
             raise ValueError(f"ZeroRedundancyOptimizer only supports dense parameters, but "
-                             f"parameter {position} is {param.layout} (rank {rank})")
+                             f"parameter {position} is {param.layout}")
 
 
-def _param_groups(params: Any, rank: int) -> List[Dict[str, Any]]:
+def _param_groups(params: Any) -> List[Dict[str, Any]]:
     """Check ``params`` as PyTorch's class does and return new param-group dicts with lists."""
     if isinstance(params, torch.Tensor):
         raise TypeError("params should be an iterable of tensors or of param-group dicts, but "
-                        f"got a single {torch.typename(params)} (rank {rank})")
+                        f"got a single {torch.typename(params)}")
     try:
         items = list(params)
     except TypeError:
         raise TypeError("params should be an iterable of tensors or of param-group dicts, but "
-                        f"got {_typename(params)} (rank {rank})") from None
+                        f"got {_typename(params)}") from None
     if not items:
-        raise ValueError(f"ZeroRedundancyOptimizer got an empty parameter list (rank {rank})")
+        raise ValueError("ZeroRedundancyOptimizer got an empty parameter list")
     if not all(isinstance(item, dict) for item in items):
         groups = [{"params": items}]
     else:
         groups = []
         for position, group in enumerate(items):
             if "params" not in group:
-                raise ValueError(f"param group {position} has no 'params' key (rank {rank})")
+                raise ValueError(f"param group {position} has no 'params' key")
             group_params = group["params"]
             if isinstance(group_params, set):
                 raise TypeError(f"param group {position} holds a set, whose order differs "
-                                f"between processes; use a list (rank {rank})")
+                                "between processes; use a list")
             if isinstance(group_params, torch.Tensor):
                 group_params = [group_params]
             groups.append({**group, "params": list(group_params)})
     for group in groups:
-        _check_dense_tensors(group["params"], rank)
+        _check_dense_tensors(group["params"])
     return groups
+
+
+def _hyperparameters(groups: List[Dict[str, Any]]) -> List[list]:
+    return [sorted((k, repr(v)) for k, v in g.items() if k != "params") for g in groups]
+
+
+def _group_items(groups: List[Dict[str, Any]], first: int) -> List[Item]:
+    """What must match across ranks for ``groups``, whose parameters are numbered from ``first``:
+    the hyperparameters, and each parameter's shape, dtype, device type and requires_grad."""
+    params = [p for g in groups for p in g["params"]]
+    names = (f"parameter {first + i}" for i in range(len(params)))
+    return [("groups", _hyperparameters(groups)),
+            *[(name, (*signature, f"requires_grad={param.requires_grad}"))
+              for (name, signature), param in zip(comm.tensor_signature(names, params), params)]]
 
 
 def _copy_hyperparameters(sources: List[dict], targets: List[dict]) -> None:
@@ -171,30 +197,40 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         **defaults: hyperparameters passed to the local optimizers.
 
     Raises:
-        TypeError: ``params`` is a single tensor, not iterable, or holds something else than
-            tensors or param-group dicts.
+        TypeError: ``optimizer_class`` is not a ``torch.optim.Optimizer`` subclass; ``params`` is
+            a single tensor, not iterable, or holds something else than tensors or param-group
+            dicts.
         ValueError: ``params`` is empty, a group lacks ``'params'``, a parameter is sparse, or
-            several param groups are given with ``overlap_with_ddp=True``.
+            several param groups are given with ``overlap_with_ddp=True``; on every rank, if
+            the ranks' arguments differ (parameters, their shapes, dtypes or ``requires_grad``,
+            param groups, the optimizer class) or only some ranks hit one of the errors above.
     """
 
     def __init__(self, params: Any, optimizer_class: Type[Optimizer],
                  process_group: Optional[MPI.Intracomm] = None,
                  parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False,
                  **defaults: Any) -> None:
-        parent = comm.resolve(process_group)
-        caller_rank = (parent.Get_rank() if parent != MPI.COMM_NULL
-                       else MPI.COMM_WORLD.Get_rank())
-        groups = _param_groups(params, caller_rank)
-        if overlap_with_ddp and len(groups) != 1:
-            raise ValueError("ZeroRedundancyOptimizer with overlap_with_ddp=True supports a single "
-                             f"parameter group, got {len(groups)} (rank {caller_rank})")
+        check_optimizer_class(optimizer_class, "ZeroRedundancyOptimizer")
         self._initialized = False
-        Optimizer.__init__(self, groups, defaults)
-        Joinable.__init__(self)
-        self.process_group = parent
-        self._group = comm.ProcessGroup(parent)
+        self._group = comm.ProcessGroup(process_group)
+        self.process_group = self._group.parent
         self.rank: int = self._group.rank
         self.world_size: int = self._group.size
+        error = None
+        try:
+            groups = _param_groups(params)
+            if overlap_with_ddp and len(groups) != 1:
+                raise ValueError("ZeroRedundancyOptimizer with overlap_with_ddp=True supports a "
+                                 f"single parameter group, got {len(groups)}")
+            Optimizer.__init__(self, groups, defaults)
+        except Exception as failure:
+            error = failure
+        self._agree("ZeroRedundancyOptimizer needs the same arguments on every rank", error, [
+            ("optimizer", f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"),
+            ("parameters_as_bucket_view", bool(parameters_as_bucket_view)),
+            ("overlap_with_ddp", bool(overlap_with_ddp))],
+            lambda: _group_items(self.param_groups, 0))
+        Joinable.__init__(self)
         if overlap_with_ddp and parameters_as_bucket_view:
             warnings.warn("parameters_as_bucket_view=True is ignored with overlap_with_ddp=True: "
                           "parameters become views into one buffer per DDP bucket instead",
@@ -206,12 +242,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.params_by_index: List[torch.Tensor] = list(
             chain.from_iterable(g["params"] for g in self.param_groups))
         self._index_of = {param: index for index, param in enumerate(self.params_by_index)}
-        comm.check_consistent(self._group.comm, "ZeroRedundancyOptimizer", [
-            ("optimizer", f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"),
-            ("groups", [sorted((k, repr(v)) for k, v in g.items() if k != "params")
-                        for g in self.param_groups]),
-            *comm.tensor_signature((f"parameter {i}" for i in range(len(self.params_by_index))),
-                                   self.params_by_index)])
         self._trainable = self._trainable_mask()
         self._buffers: List[ShardBuffer] = []
         self._consolidated: Optional[Dict[int, Dict[Any, Any]]] = None
@@ -241,6 +271,22 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._overlap = DDPOverlap(self, ddp, shard_buckets)
         return self._overlap
 
+    def _agree(self, what: str, error: Optional[BaseException],
+               items: Iterable[Item] = (),
+               valid_items: Callable[[], List[Item]] = list) -> None:
+        """Raise on every rank unless all ranks agree. Collective: one allgather of a digest.
+
+        The ranks compare ``items``, then the outcome of their local work (``error`` or none),
+        then, without an error, ``valid_items()``. A difference is a ``ValueError`` on every rank
+        naming the ranks and the first item that differs; else an error (the same on every rank)
+        is raised again.
+        """
+        outcome = "ok" if error is None else f"{type(error).__name__}: {error}"
+        comm.check_consistent(self._group.comm, what, [
+            *items, ("outcome", outcome), *(valid_items() if error is None else [])])
+        if error is not None:
+            raise error
+
     def _require_local_optimizer(self, what: str) -> None:
         if self._overlap_with_ddp and self._overlap is None:
             raise RuntimeError(
@@ -256,8 +302,21 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         local["params"] = [self.params_by_index[i] for i in self.partition.groups[g][self.rank]]
         return local
 
-    def _trainable_mask(self) -> List[bool]:
-        return [param.requires_grad for param in self.params_by_index]
+    def _trainable_mask(self) -> bytes:
+        """``requires_grad`` of each parameter, one byte each."""
+        return bytes([param.requires_grad for param in self.params_by_index])
+
+    def _check_trainable(self, trainable: bytes) -> None:
+        """Raise ``ValueError`` on every rank unless all ranks train the same parameters (else
+        their shards' sizes would differ). Collective: one allgather of a digest; the parameters
+        are compared one by one only when the digests differ."""
+        digests = self._group.comm.allgather(hashlib.sha1(trainable).digest())
+        if len(set(digests)) > 1:
+            comm.check_consistent(
+                self._group.comm, "ZeroRedundancyOptimizer.step: requires_grad must be the same "
+                "on every rank (freeze a parameter on all ranks or none)",
+                [(f"parameter {i}", f"requires_grad={bool(flag)}")
+                 for i, flag in enumerate(trainable)])
 
     def _build_buffers(self) -> None:
         """One :class:`ShardBuffer` per dtype and device of the trainable parameters."""
@@ -285,19 +344,32 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Add a param group; its parameters are partitioned after the existing ones (which
-        stay where they are). Collective: call it on every rank with the same group."""
-        if self._initialized and self._overlap_with_ddp:
+        stay where they are). Collective: call it on every rank with the same group.
+
+        Raises:
+            ValueError: on every rank, if the ranks' groups differ (hyperparameters, number,
+                shapes, dtypes or ``requires_grad`` of the parameters).
+        """
+        if not self._initialized:
+            super().add_param_group(param_group)
+            return
+        if self._overlap_with_ddp:
             raise RuntimeError("ZeroRedundancyOptimizer with overlap_with_ddp=True supports a "
                                f"single parameter group (rank {self.rank})")
-        super().add_param_group(param_group)
-        if not self._initialized:
-            return
-        new_params = self.param_groups[-1]["params"]
+        count, error = len(self.param_groups), None
         try:
-            _check_dense_tensors(new_params, self.rank)
-        except ValueError:
-            self.param_groups.pop()
+            super().add_param_group(param_group)
+            _check_dense_tensors(self.param_groups[-1]["params"])
+        except Exception as failure:
+            error = failure
+        try:
+            self._agree("ZeroRedundancyOptimizer.add_param_group needs the same group on every "
+                        "rank", error, valid_items=lambda: _group_items(
+                            self.param_groups[-1:], len(self.params_by_index)))
+        except Exception:
+            del self.param_groups[count:]
             raise
+        new_params = self.param_groups[-1]["params"]
         for param in new_params:
             self._index_of[param] = len(self.params_by_index)
             self.params_by_index.append(param)
@@ -330,6 +402,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if notify:
             Join.notify_join_context(self)
         trainable = self._trainable_mask()
+        self._check_trainable(trainable)
         if trainable != self._trainable:
             self._trainable = trainable
             self._build_buffers()
@@ -368,7 +441,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """Gather the whole optimizer state on rank ``to`` (on the host), for :meth:`state_dict`.
 
         Collective. The other ranks drop any state consolidated before.
+
+        Raises:
+            ValueError: on every rank, if the ranks pass different ``to`` or ``to`` is not a
+                rank of the group.
         """
+        comm.check_consistent(self._group.comm, "ZeroRedundancyOptimizer.consolidate_state_dict "
+                              "needs the same target rank on every rank", [("to", to)])
         if not 0 <= to < self.world_size:
             raise ValueError(f"consolidate_state_dict: to={to} is not a rank of this group of "
                              f"{self.world_size} (rank {self.rank})")
@@ -407,33 +486,55 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load this rank's part of a whole optimizer state: one consolidated by this class at any
-        world size, or a plain ``torch.optim`` optimizer's. Not collective. The caller's dict is
-        neither modified nor shared: the tensors this rank keeps are copies.
+        world size, or a plain ``torch.optim`` optimizer's. Collective (one allgather of a
+        digest), so that a state dict that does not fit on some rank fails on every rank. The
+        caller's dict is neither modified nor shared: the tensors this rank keeps are copies.
 
         Raises:
-            ValueError: the numbers of groups, or of parameters in a group, differ.
+            ValueError: on every rank, if the numbers of groups or of parameters in a group differ
+                from the optimizer's, or the ranks' param groups differ.
         """
         self._require_local_optimizer("load_state_dict()")
-        state_dict = dict(state_dict)
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = pre_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        saved_groups = state_dict["param_groups"]
+        error, saved_groups, local = None, [], {}
+        try:
+            state_dict = dict(state_dict)
+            for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+                result = pre_hook(self, state_dict)
+                if result is not None:
+                    state_dict = result
+            saved_groups = state_dict["param_groups"]
+            local = self._local_state_dict(saved_groups, state_dict["state"])
+        except Exception as failure:
+            error = failure
+        self._agree("ZeroRedundancyOptimizer.load_state_dict needs a state dict that fits every "
+                    "rank", error,
+                    valid_items=lambda: [("param_groups", _hyperparameters(saved_groups))])
+        self.optim.load_state_dict(local)
+        for saved, group in zip(saved_groups, self.param_groups):
+            group.update({k: copy.deepcopy(v) for k, v in saved.items() if k != "params"})
+        _copy_hyperparameters(self.optim.param_groups, self.param_groups)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _local_state_dict(self, saved_groups: List[Dict[str, Any]],
+                          saved_state: Mapping) -> Dict[str, Any]:
+        """The local optimizer's part of a whole state dict: the parameters this rank owns,
+        numbered as the local optimizer holds them, with copies of their state."""
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, the "
-                             f"optimizer {len(self.param_groups)} (rank {self.rank})")
+                             f"optimizer {len(self.param_groups)}")
         for g, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError(f"loaded state dict's parameter group {g} has "
                                  f"{len(saved['params'])} parameters, the optimizer's "
-                                 f"{len(group['params'])} (rank {self.rank})")
+                                 f"{len(group['params'])}")
         saved_ids = list(chain.from_iterable(g["params"] for g in saved_groups))
-        saved_state = state_dict["state"]
         local_state, local_groups, local_id = {}, [], 0
         for saved, owned in zip(saved_groups, self.partition.owned(self.rank)):
             local = {k: copy.deepcopy(v) for k, v in saved.items() if k not in _NOT_HYPERPARAMETERS}
-            local["params"] = list(range(local_id, local_id + len(owned)))
+            # A range, not a list: torch's load_state_dict looks every state value's parameter
+            # up in its group's "params", which a range answers at once.
+            local["params"] = range(local_id, local_id + len(owned))
             local_groups.append(local)
             for index in owned:
                 if saved_ids[index] in saved_state:
@@ -441,12 +542,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                     local_state[local_id] = {key: _copied(value, device) for key, value
                                              in saved_state[saved_ids[index]].items()}
                 local_id += 1
-        self.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
-        for saved, group in zip(saved_groups, self.param_groups):
-            group.update({k: copy.deepcopy(v) for k, v in saved.items() if k != "params"})
-        _copy_hyperparameters(self.optim.param_groups, self.param_groups)
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
+        return {"state": local_state, "param_groups": local_groups}
 
     # -- uneven inputs ---------------------------------------------------------------------
 
