@@ -9,20 +9,30 @@ from mpi4py import MPI
 from . import watchdog
 
 
+def _kind(process_group: object) -> str:
+    """How an error names what was passed: ``an MPI.Intercomm``, ``str``..."""
+    if isinstance(process_group, MPI.Comm):
+        return f"an MPI.{type(process_group).__name__}"
+    return type(process_group).__qualname__
+
+
 def resolve(process_group: Optional[MPI.Comm]) -> MPI.Comm:
     """Return the communicator a user meant: ``None`` is ``MPI.COMM_WORLD``.
 
     ``MPI.COMM_NULL`` is returned as is: it is what a rank outside a ``Split`` receives, and the
-    callers treat it as "not a member". Anything else must be an intracommunicator.
+    callers treat it as "not a member". Anything else must be an intracommunicator; otherwise
+    ``TypeError``, with the same message on every rank (the check is local, so every rank that
+    passes an intercommunicator raises it before any collective).
     """
     if process_group is None:
         return MPI.COMM_WORLD
     if process_group == MPI.COMM_NULL:
         return MPI.COMM_NULL
     if not isinstance(process_group, MPI.Intracomm):
-        raise TypeError(
-            "process_group must be an mpi4py intracommunicator (MPI.Intracomm) or None, "
-            f"got {type(process_group).__name__} on world rank {MPI.COMM_WORLD.Get_rank()}")
+        hint = (" (an intercommunicator joins two groups; Intercomm.Merge() makes one "
+                "intracommunicator of them)" if isinstance(process_group, MPI.Intercomm) else "")
+        raise TypeError("process_group must be an mpi4py intracommunicator (MPI.Intracomm) or "
+                        f"None, got {_kind(process_group)}{hint}")
     return process_group
 
 
@@ -36,7 +46,7 @@ _live: "weakref.WeakSet[ProcessGroup]" = weakref.WeakSet()
 
 def live_groups() -> list:
     """The process groups whose private communicator has not been freed yet."""
-    return [group for group in _live if group.comm != MPI.COMM_NULL]
+    return [group for group in _live if not group.closed]
 
 
 def _free(comm: MPI.Comm) -> None:
@@ -50,7 +60,8 @@ class ProcessGroup:
     the user's own messages. Collective: construct it on every rank of the group. When the
     :mod:`.watchdog` is on, its collectives are watched.
 
-    The duplicate is freed by :meth:`close`, or when the object is collected.
+    The duplicate is freed by :meth:`close`, or when the object is collected; :attr:`comm`
+    raises ``RuntimeError`` after :meth:`close`.
     """
 
     def __init__(self, process_group: Optional[MPI.Comm] = None) -> None:
@@ -59,20 +70,35 @@ class ProcessGroup:
             raise ValueError(
                 f"world rank {MPI.COMM_WORLD.Get_rank()} is not a member of the process group "
                 "(it holds MPI.COMM_NULL)")
-        self.comm: MPI.Intracomm = self.parent.Dup()
-        self.rank: int = self.comm.Get_rank()
-        self.size: int = self.comm.Get_size()
-        watchdog.register(self.comm, self._describe())
+        self._comm: MPI.Intracomm = self.parent.Dup()
+        self.rank: int = self._comm.Get_rank()
+        self.size: int = self._comm.Get_size()
+        watchdog.register(self._comm, self._describe())
         _live.add(self)
-        self._finalizer = weakref.finalize(self, _free, self.comm)
+        self._finalizer = weakref.finalize(self, _free, self._comm)
+
+    @property
+    def comm(self) -> MPI.Intracomm:
+        """The private duplicate. Raises ``RuntimeError`` once the group is closed."""
+        if self.closed:
+            raise RuntimeError(
+                f"ProcessGroup is closed: its private duplicate was freed by close() "
+                f"(world rank {MPI.COMM_WORLD.Get_rank()})")
+        return self._comm
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has freed the private duplicate."""
+        return not self._finalizer.alive
 
     def _describe(self) -> str:
         name = self.parent.Get_name() or "unnamed"
         return f"{name} (private duplicate, world rank {MPI.COMM_WORLD.Get_rank()} is rank {self.rank})"
 
     def close(self) -> None:
-        """Free the private communicator. Collective."""
+        """Free the private communicator. Collective; closing again does nothing."""
         self._finalizer()
 
     def __repr__(self) -> str:
-        return f"ProcessGroup(rank={self.rank}, size={self.size})"
+        state = ", closed" if self.closed else ""
+        return f"ProcessGroup(rank={self.rank}, size={self.size}{state})"
