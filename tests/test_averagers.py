@@ -60,7 +60,8 @@ def test_param_groups_mixed_dtypes_only_with_grad(world):
     c = _param(rank, grad=False)                     # no gradient: not averaged
     d = _param(10 * rank, torch.bfloat16)
     groups = [{"params": [a, b], "lr": 0.1}, {"params": [c, d]}]
-    utils.average_parameters(groups, None)
+    assert utils.get_params_to_average(groups) == [a, b, d]
+    utils.average_parameters_or_parameter_groups(groups, None)
     mean = (size - 1) / 2
     torch.testing.assert_close(a.data, torch.full((3,), mean))
     torch.testing.assert_close(b.data, torch.full((3,), 2 * mean, dtype=torch.float64))
@@ -69,7 +70,9 @@ def test_param_groups_mixed_dtypes_only_with_grad(world):
     utils.average_parameters_or_parameter_groups([a], MPI.COMM_WORLD)
     torch.testing.assert_close(a.data, torch.full((3,), mean))
     with pytest.raises(NotImplementedError, match="param-group dicts"):
-        utils.average_parameters([3.0], None)
+        utils.average_parameters_or_parameter_groups([3.0], None)
+    with pytest.raises(TypeError, match="average_parameters_or_parameter_groups"):
+        utils.average_parameters(groups, None)   # PyTorch's takes parameters only
 
 
 @pytest.mark.mpi(min_size=2)

@@ -36,6 +36,7 @@ class ModelAverager(ABC):
         self.process_group = comm.resolve(process_group)
         self._group: Optional[comm.ProcessGroup] = (
             comm.ProcessGroup(self.process_group) if comm.is_member(self.process_group) else None)
+        self._closed = False
         self.step = 0
         self._buffers: dict = {}   # flat buffers reused from one averaging to the next
 
@@ -50,14 +51,27 @@ class ModelAverager(ABC):
             comm.check_consistent(self._group.comm, type(self).__name__,
                                   sorted((k, repr(v)) for k, v in settings.items()))
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__} is closed: close() freed its "
+                               f"communicators (world rank {MPI.COMM_WORLD.Get_rank()})")
+
     @abstractmethod
     def average_parameters(self, params: Params) -> None:
-        """Average ``params`` if this step calls for it, then advance :attr:`step`."""
+        """Average ``params`` if this step calls for it, then advance :attr:`step`.
+
+        Raises:
+            RuntimeError: the averager is closed.
+            ValueError: on every rank of the averaging group, if the ranks do not have
+                gradients on the same parameters.
+        """
 
     def close(self) -> None:
-        """Free the private communicators. Collective over the process group."""
+        """Free the private communicators; later averaging raises ``RuntimeError``.
+        Collective over the process group; closing again does nothing."""
         if self._group is not None:
             self._group.close()
+        self._closed = True
 
 
 class PeriodicModelAverager(ModelAverager):
@@ -95,6 +109,7 @@ class PeriodicModelAverager(ModelAverager):
     def average_parameters(self, params: Params) -> None:
         """Average the parameters (or optimizer param groups) that have gradients, if this step
         is an averaging step; advance the step counter either way. Collective."""
+        self._check_open()
         if self.step >= self.warmup_steps and (self.step - self.warmup_steps) % self.period == 0:
             average_on_communicator(params, self._communicator, self._buffers)
         self.step += 1

@@ -10,7 +10,7 @@ from mpi4py import MPI
 from tensorplay_hpc import comm
 
 from .averagers import PERIOD_ONE_WARNING, ModelAverager
-from .utils import Params, average_on_communicator
+from .utils import GRADIENTS_DIFFER, Params, average_on_communicator
 
 __all__ = ["HierarchicalModelAverager"]
 
@@ -70,6 +70,7 @@ class HierarchicalModelAverager(ModelAverager):
         self._periods = periods
         self._subgroups: List[comm.ProcessGroup] = []
         self.period_process_group_dict: "OrderedDict[int, MPI.Comm]" = OrderedDict()
+        self._mismatch: Dict[int, str] = {}   # per period: what a gradient mismatch says
         if self._group is None:   # outside the group: counts steps only
             return
         self._check_consistent(period_group_size_dict=list(period_group_size_dict.items()),
@@ -82,9 +83,9 @@ class HierarchicalModelAverager(ModelAverager):
         layout = comm.NodeLayout(self._group.comm)
         blocks = [layout.block(size) for size in sizes]   # all checked before any Split
         for period, size, block in zip(periods, sizes, blocks):
-            self.period_process_group_dict[period] = self._level(size, block)
+            self.period_process_group_dict[period] = self._level(period, size, block)
 
-    def _level(self, size: int, block: int) -> MPI.Comm:
+    def _level(self, period: int, size: int, block: int) -> MPI.Comm:
         """This rank's communicator among the groups of ``size`` ranks, in group ``block``.
         Collective."""
         if size == self._group.size:
@@ -93,26 +94,31 @@ class HierarchicalModelAverager(ModelAverager):
         owned = comm.ProcessGroup(split)
         split.Free()
         self._subgroups.append(owned)
+        members = owned.comm.allgather(self._group.rank)
+        self._mismatch[period] = (
+            f"{GRADIENTS_DIFFER} of the group averaging every {period} steps (process-group "
+            f"ranks {members}, ranked 0 to {size - 1} below)")
         return owned.comm
 
-    def _find_process_group(self) -> Optional[MPI.Comm]:
-        """The communicator of the last period dividing :attr:`step`, or ``None``."""
-        for period in reversed(self._periods):
-            if self.step % period == 0:
-                return self.period_process_group_dict.get(period, MPI.COMM_NULL)
-        return None
+    def _find_period(self) -> Optional[int]:
+        """The last period dividing :attr:`step`, or ``None``."""
+        return next((p for p in reversed(self._periods) if self.step % p == 0), None)
 
     def average_parameters(self, params: Params) -> None:
         """Average the parameters (or optimizer param groups) that have gradients in the group
         this step chooses, if any; advance the step counter either way. Collective."""
+        self._check_open()
         if self.step >= self.warmup_steps:
-            group = self._find_process_group()
-            if group is not None:
-                average_on_communicator(params, group, self._buffers)
+            period = self._find_period()
+            if period is not None:
+                average_on_communicator(
+                    params, self.period_process_group_dict.get(period, MPI.COMM_NULL),
+                    self._buffers, self._mismatch.get(period, GRADIENTS_DIFFER))
         self.step += 1
 
     def close(self) -> None:
-        """Free the private communicators. Collective over the process group."""
+        """Free the private communicators; later averaging raises ``RuntimeError``.
+        Collective over the process group; closing again does nothing."""
         for subgroup in self._subgroups:
             subgroup.close()
         super().close()
