@@ -123,21 +123,26 @@ def test_progress_thread_and_poll(world):
 
 def test_backward_sends_each_trainers_gradients_to_its_own_slot(world, chunking, transport):
     rank = world.Get_rank()
-    mine = [torch.arange(3, dtype=torch.float32) + rank, torch.ones(2, dtype=torch.float16)]
+    mine = [(torch.arange(3, dtype=torch.float32) + rank).requires_grad_(),
+            torch.ones(2, dtype=torch.float16, requires_grad=True),
+            torch.full((2,), 5.0)]  # frozen: it does not require grad
     with rma.share(mine) as shared:
+        trained = [ref for ref in shared.refs if ref.index < 2]
+        assert [ref.requires_grad for ref in shared.refs] == [True, True, False] * world.Get_size()
         world.Barrier()
         with autograd.context() as context_id:
             assert context_id >> 48 == rank
             values = [ref.to_here() for ref in shared.refs]
-            assert all(v.requires_grad and v.is_leaf for v in values)
+            assert [v.requires_grad for v in values] == [ref.requires_grad for ref in shared.refs]
+            assert all(v.is_leaf for v in values)
             # every rank trains every tensor at once; rank r's gradient of tensor k is
             # (r + 1) * value (from 0.5 (r + 1) x^2) plus, in a second pass, 1
             loss = sum(((v.float() ** 2) * 0.5 * (rank + 1)).sum() for v in values)
             autograd.backward(context_id, [loss])
             autograd.backward(context_id, [sum(v.float().sum() for v in values)])
             grads = autograd.get_gradients(context_id)
-            assert set(grads) == set(shared.refs)
-            for ref in shared.refs:
+            assert set(grads) == set(trained)  # none for the frozen tensors
+            for ref in trained:
                 expected = ref.to_here().detach().float() * (rank + 1) + 1
                 assert grads[ref].dtype == ref.dtype
                 assert torch.equal(grads[ref], expected.to(ref.dtype))
@@ -153,13 +158,33 @@ def test_backward_sends_each_trainers_gradients_to_its_own_slot(world, chunking,
 
 def test_fetching_one_tensor_twice_sums_its_gradients(world, transport):
     rank = world.Get_rank()
-    with rma.share([torch.tensor([1.0, 2.0])] if rank == 0 else []) as shared:
+    with rma.share([torch.tensor([1.0, 2.0], requires_grad=True)] if rank == 0 else []) as shared:
         [ref] = shared.refs
         with autograd.context() as context_id:
             a, b = ref.to_here(), ref.to_here()
             autograd.backward(context_id, [(a * 2).sum() + (b * b).sum()])
             assert torch.equal(autograd.get_gradients(context_id)[ref], torch.tensor([4.0, 6.0]))
         world.Barrier()
+
+
+def test_use_after_close_is_an_error(world, transport):
+    rank = world.Get_rank()
+    closed = rf"^SharedTensors is closed \(rank {rank}\): its windows were freed by close\(\)"
+    weight = torch.full((2,), float(rank), requires_grad=True)
+    shared = rma.share([weight])
+    [ref] = shared.refs_of(rank)
+    with autograd.context() as context_id:
+        value = ref.to_here()
+        world.Barrier()
+        shared.close()
+        shared.close()  # closing again does nothing
+        for call in (ref.to_here, ref.local_value,
+                     lambda: autograd.backward(context_id, [value.sum()])):
+            with pytest.raises(RuntimeError, match=closed):
+                call()
+    with pytest.raises(RuntimeError, match=closed):
+        shared.new_window(8)
+    assert torch.equal(weight.detach(), torch.full((2,), float(rank)))  # the owner's tensor lives
 
 
 def test_unknown_context_and_nesting_are_errors(world):

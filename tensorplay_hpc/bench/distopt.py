@@ -130,7 +130,8 @@ def iterations(report: Report) -> None:
     messages and slow every other process on a machine with few cores."""
     import torch.distributed.rpc as rpc
     from torch.distributed.optim import DistributedOptimizer as TorchDistributedOptimizer
-    owned = [initial_parameter(i) for i in range(PARAMETERS)] if WORLD.Get_rank() == OWNER else []
+    owned = ([initial_parameter(i).requires_grad_() for i in range(PARAMETERS)]
+             if WORLD.Get_rank() == OWNER else [])
     batches = [torch.randn(b, WIDTH, generator=torch.Generator().manual_seed(b)) for b in BATCHES]
     with rma.share(owned) as shared:
         transport = shared.transport

@@ -1,7 +1,8 @@
 """Distributed autograd over remote references: gradients go to the parameters' owners.
 
-Inside ``with context() as context_id``, :meth:`RemoteRef.to_here` returns a local leaf that
-requires grad and is recorded in the context. :func:`backward` runs autograd locally and sends
+Inside ``with context() as context_id``, :meth:`RemoteRef.to_here` of a tensor that requires
+grad returns a local leaf that requires grad and is recorded in the context (a frozen tensor's
+copy does not require grad, as with PyTorch's RPC). :func:`backward` runs autograd locally and sends
 each recorded reference's gradient into this rank's gradient slot on the owner with
 ``MPI.Accumulate`` (``MPI.SUM``, so several backward passes in one context add up; the first one
 of a context replaces the slot's stale contents, so slots never need clearing).
@@ -78,8 +79,9 @@ def retrieve_context(context_id: int) -> DistAutogradContext:
 
 
 def record(ref: "RemoteRef", value: torch.Tensor) -> torch.Tensor:
-    """Make ``value`` (just fetched from ``ref``) a leaf of the open context, if any."""
-    if _open is not None:
+    """Make ``value`` (just fetched from ``ref``) a leaf of the open context, if any and if
+    ``ref`` requires grad."""
+    if _open is not None and ref.requires_grad:
         value.requires_grad_(True)
         _open.leaves.append((ref, value))
     return value

@@ -17,15 +17,17 @@ class RemoteRef:
 
     Like ``torch.distributed.rpc.RRef``, but the owner never serves requests: readers fetch the
     value with one-sided ``MPI.Win.Get`` under a shared lock, so they never see a half-written
-    update (updates hold the exclusive lock).
+    update (updates hold the exclusive lock). ``requires_grad`` is the owner's tensor's flag when
+    it was shared: a reference to a tensor that does not require grad is frozen.
     """
 
     def __init__(self, shared: "SharedTensors", owner: int, index: int,
-                 shape: Tuple[int, ...], dtype: torch.dtype) -> None:
+                 shape: Tuple[int, ...], dtype: torch.dtype, requires_grad: bool) -> None:
         self.shared = shared
         self.index = index
         self.shape = torch.Size(shape)
         self.dtype = dtype
+        self.requires_grad = requires_grad
         self._owner = owner
 
     def owner(self) -> int:
@@ -50,8 +52,8 @@ class RemoteRef:
     def to_here(self) -> torch.Tensor:
         """A local copy of the current value, fetched with ``MPI.Win.Get``. Not collective.
 
-        Inside :func:`tensorplay_hpc.distributed.autograd.context` the copy is a leaf that
-        requires grad, and :func:`~tensorplay_hpc.distributed.autograd.backward` sends its
+        Inside :func:`tensorplay_hpc.distributed.autograd.context` the copy of a tensor that
+        requires grad (:attr:`requires_grad`) is a leaf that requires grad, and :func:`~tensorplay_hpc.distributed.autograd.backward` sends its
         gradient to the owner.
         """
         return autograd.record(self, self.shared.fetch(self))

@@ -27,6 +27,12 @@ class SharedTensors(ClosesCollectively):
     :func:`~tensorplay_hpc.comm.dtypes.reduce_dtype`, float32 for 16-bit floats): a trainer only
     accumulates into its own slot, so trainers never clobber each other.
 
+    A tensor that does not require grad when shared stays frozen: its references fetch values
+    that do not require grad either, so no gradient reaches it and no optimizer updates it.
+
+    After :meth:`close`, every operation on it or its references raises ``RuntimeError``
+    ("SharedTensors is closed").
+
     Attributes:
         refs: all references, flat, in rank order (rank 0's tensors first).
         rank, size: this rank and the size of the group.
@@ -35,6 +41,7 @@ class SharedTensors(ClosesCollectively):
 
     def __init__(self, tensors: Sequence[torch.Tensor], process_group: Optional[MPI.Comm],
                  progress_thread: bool) -> None:
+        self._closed = False
         self._group = comm.ProcessGroup(process_group)
         self.rank, self.size = self._group.rank, self._group.size
         self._tensors = list(tensors)
@@ -47,7 +54,9 @@ class SharedTensors(ClosesCollectively):
             raise ValueError(f"rma.share: rank {self.rank} lists the same tensor twice")
         self.transport = choose(self._group.comm, progress_thread)
         specs = [(tuple(t.shape), t.dtype) for t in self._tensors]
-        all_specs = self._group.comm.allgather(specs)
+        gathered = self._group.comm.allgather(
+            (specs, [t.requires_grad for t in self._tensors]))
+        all_specs = [s for s, _ in gathered]
         self._value_layouts = [Layout(s) for s in all_specs]
         self._grad_layouts = [Layout([(shape, reduce_dtype(dtype)) for shape, dtype in s])
                               for s in all_specs]
@@ -59,11 +68,18 @@ class SharedTensors(ClosesCollectively):
                 view.copy_(tensor)
                 tensor.data = view
         self._by_rank: List[List[RemoteRef]] = [
-            [RemoteRef(self, owner, i, shape, dtype) for i, (shape, dtype) in enumerate(s)]
-            for owner, s in enumerate(all_specs)]
+            [RemoteRef(self, owner, i, shape, dtype, requires_grad)
+             for i, ((shape, dtype), requires_grad) in enumerate(zip(s, grads))]
+            for owner, (s, grads) in enumerate(gathered)]
         self.refs: List[RemoteRef] = [ref for refs in self._by_rank for ref in refs]
         self._progress = ProgressThread() if progress_thread else None
         self._group.comm.Barrier()  # every owner's values are in place before anyone reads
+
+    def check_open(self) -> None:
+        """Raise ``RuntimeError`` if :meth:`close` has freed the windows. Local."""
+        if self._closed:
+            raise RuntimeError(f"SharedTensors is closed (rank {self.rank}): its windows were "
+                               "freed by close(), so its references cannot be used any more")
 
     @property
     def communicator(self) -> MPI.Intracomm:
@@ -73,6 +89,7 @@ class SharedTensors(ClosesCollectively):
     def new_window(self, nbytes: int) -> AnyWindow:
         """``nbytes`` of this rank's memory in another window of the group's transport (the
         caller frees it). Collective."""
+        self.check_open()
         return make_window(self._group.comm, nbytes, self.transport)
 
     def refs_of(self, rank: int) -> List[RemoteRef]:
@@ -81,6 +98,7 @@ class SharedTensors(ClosesCollectively):
 
     def local_tensor(self, index: int) -> torch.Tensor:
         """This rank's own tensor ``index`` (window memory)."""
+        self.check_open()
         return self._tensors[index]
 
     def value_offset(self, ref: RemoteRef) -> int:
@@ -94,6 +112,7 @@ class SharedTensors(ClosesCollectively):
 
     def fetch(self, ref: RemoteRef) -> torch.Tensor:
         """A copy of ``ref``'s current value, read under a shared lock. Not collective."""
+        self.check_open()
         out = empty(ref.shape, ref.dtype)
         with self.values.locked(ref.owner()):
             self.values.get(out, ref.owner(), self.value_offset(ref))
@@ -103,6 +122,7 @@ class SharedTensors(ClosesCollectively):
                              fresh: Iterable[RemoteRef]) -> None:
         """Add ``gradients`` into this rank's slot on their owners with ``MPI.SUM``; those of
         ``fresh`` refs replace the slot's stale contents instead. Not collective."""
+        self.check_open()
         fresh = set(fresh)
         for owner, refs in by_owner(gradients).items():
             with self.gradients.locked(owner):
@@ -115,6 +135,7 @@ class SharedTensors(ClosesCollectively):
 
     def fetch_gradients(self, refs: Iterable[RemoteRef]) -> Dict[RemoteRef, torch.Tensor]:
         """This rank's accumulated gradients of ``refs``, in their dtype. Not collective."""
+        self.check_open()
         out = {}
         for owner, group in by_owner(refs).items():
             with self.gradients.locked(owner):
@@ -133,7 +154,10 @@ class SharedTensors(ClosesCollectively):
 
     def close(self) -> None:
         """Free the windows. Collective. The owner's tensors get their own memory back, with
-        their last values, so they remain usable."""
+        their last values, so they remain usable. Closing again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
@@ -150,7 +174,8 @@ def share(tensors: Iterable[torch.Tensor], process_group: Optional[MPI.Comm] = N
     """Expose this rank's ``tensors`` (possibly none) to the group in MPI windows. Collective.
 
     Args:
-        tensors: CPU tensors this rank owns; afterwards they live in window memory (the same
+        tensors: CPU tensors this rank owns; those that do not require grad stay frozen (read
+            here, once: the owner takes no part later); afterwards they live in window memory (the same
             tensor objects, re-pointed), so the owner keeps reading them locally.
         process_group: an mpi4py intracommunicator; ``None`` is ``MPI.COMM_WORLD``.
         progress_thread: run a :class:`~.progress.ProgressThread` on this rank, for MPI
