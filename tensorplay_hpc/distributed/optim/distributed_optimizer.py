@@ -5,10 +5,13 @@ owner takes no part. A trainer's ``step`` takes an exclusive lock on the owner's
 the parameter, its gradient (from the trainer's slot, see
 :mod:`tensorplay_hpc.distributed.autograd`) and its optimizer state, runs the optimizer locally,
 and puts parameter and state back before unlocking. The state therefore lives in the owner's
-window memory, with a fixed layout per parameter learned at construction by running the
-optimizer once on a zero dummy: a flag "state exists" (so the optimizer initializes its state on
-the very first step, as locally) followed by every state entry (tensors, and Python numbers as
-float64). Steps by any number of trainers continue one state, and steps on one owner are
+window memory, with a fixed layout per parameter learned at construction by running a second
+instance of the optimizer once on a zero dummy: a flag "state exists" (so the optimizer
+initializes its state on the very first step, as locally) followed by every state entry
+(tensors, and Python numbers as float64). An optimizer whose step fails on the dummy still
+constructs: its parameters get no state memory, and their steps run the optimizer on copies of
+the real values and raise its error (or, if it works there, say that the layout is unknown),
+changing nothing. Steps by any number of trainers continue one state, and steps on one owner are
 serialized by the exclusive lock, so no update is lost and readers never see half of one.
 
 Every parameter of any rank's references has a global index: its position in the sorted
@@ -35,6 +38,7 @@ from tensorplay_hpc.comm import agree
 from tensorplay_hpc.comm.consistency import check_consistent
 from tensorplay_hpc.comm.dtypes import reduce_dtype
 from tensorplay_hpc.distributed import autograd
+from tensorplay_hpc.distributed.optim.optimizer_class import check_optimizer_class
 from tensorplay_hpc.distributed.rma import RemoteRef, by_owner
 from tensorplay_hpc.distributed.rma.buffer_pool import empty
 from tensorplay_hpc.distributed.rma.collective_close import ClosesCollectively
@@ -93,20 +97,19 @@ class StateEntry:
 
 
 def learn_state(optimizer_class: Type[torch.optim.Optimizer], shape: Tuple[int, ...],
-                dtype: torch.dtype, args: tuple, kwargs: dict) -> List[StateEntry]:
+                dtype: torch.dtype, args: tuple,
+                kwargs: dict) -> Tuple[List[StateEntry], Optional[str]]:
     """The state entries ``optimizer_class`` keeps for a parameter of ``shape`` and ``dtype``,
-    found by one step on a zero dummy with a zero gradient."""
+    found by one step on a zero dummy with a zero gradient; ``([], why)`` if that step fails."""
     dummy = torch.zeros(shape, dtype=dtype)
     dummy.grad = torch.zeros_like(dummy)
+    optimizer = optimizer_class([dummy], *args, **kwargs)
     try:
-        optimizer = optimizer_class([dummy], *args, **kwargs)
         optimizer.step()
     except Exception as error:
-        raise RuntimeError(f"DistributedOptimizer: {optimizer_class.__name__} failed a step on a "
-                           f"dummy {dtype} parameter of shape {tuple(shape)}, run to learn its "
-                           f"state layout: {error}") from error
+        return [], f"{type(error).__name__}: {error}"
     return [StateEntry(key, value) for key, value in optimizer.state[dummy].items()
-            if value is not None]
+            if value is not None], None
 
 
 class DistributedOptimizer(ClosesCollectively):
@@ -115,7 +118,8 @@ class DistributedOptimizer(ClosesCollectively):
     Collective over the group the references were shared on: every rank constructs it (and
     :meth:`close` s it), each with its own references from one :func:`rma.share` call, possibly
     different subsets; the owners allocate state for the union. Afterwards :meth:`step` is called
-    by any trainer alone.
+    by any trainer alone. Parameters whose tensor did not require grad when shared are frozen:
+    they get no gradient, so steps leave them unchanged.
 
     Args:
         optimizer_class: any ``torch.optim.Optimizer`` subclass.
@@ -124,13 +128,17 @@ class DistributedOptimizer(ClosesCollectively):
             with the same state layout).
 
     Raises:
+        TypeError: ``optimizer_class`` is not a ``torch.optim.Optimizer`` subclass.
         ValueError: no references, references from several ``rma.share()`` calls, or (on every
             rank) ranks whose configurations keep different state.
-        RuntimeError: on every rank, if the optimizer failed to run on a dummy parameter on any.
+        RuntimeError: on every rank, if constructing the optimizer failed on any, or the
+            references' ``SharedTensors`` is closed.
     """
 
     def __init__(self, optimizer_class: Type[torch.optim.Optimizer],
                  params_rref: Iterable[RemoteRef], *args: Any, **kwargs: Any) -> None:
+        self._optimizer_class = check_optimizer_class(optimizer_class, "DistributedOptimizer")
+        self._closed = False
         self._refs = list(params_rref)
         if not self._refs:
             raise ValueError("DistributedOptimizer needs at least one remote reference")
@@ -139,14 +147,21 @@ class DistributedOptimizer(ClosesCollectively):
         if any(ref.shared is not self._shared for ref in self._refs):
             raise ValueError(f"DistributedOptimizer on rank {rank}: the references come from "
                              "different rma.share() calls; use references from one")
-        self._optimizer_class = optimizer_class
+        self._shared.check_open()
         communicator = self._shared.communicator
         mine = sorted({(ref.owner(), ref.index) for ref in self._refs})
         union = sorted({key for keys in communicator.allgather(mine) for key in keys})
         self._keys: List[ParamKey] = union  # a parameter's position is its global index
         by_rank = [self._shared.refs_of(owner) for owner in range(self._shared.size)]
         self._parameters = [by_rank[owner][index] for owner, index in union]
-        entries = self._agree_on_entries(args, kwargs)
+        self._proxies = {ref: torch.empty(ref.shape, dtype=ref.dtype) for ref in self._refs}
+        self._optimizer = self._construct(args, kwargs)
+        entries, unlearned = self._agree_on_entries(args, kwargs)
+        # parameters whose layout is unknown (the dummy's step failed): why, for their steps
+        self._unlearned: Dict[ParamKey, str] = {
+            key: unlearned[(tuple(ref.shape), ref.dtype)]
+            for key, ref in zip(union, self._parameters)
+            if (tuple(ref.shape), ref.dtype) in unlearned}
         self._entries: Dict[ParamKey, List[StateEntry]] = {}
         self._offsets: Dict[ParamKey, List[int]] = {}  # flag, then one per entry
         layouts = [self._lay_out_state(owner, union, entries)
@@ -157,34 +172,50 @@ class DistributedOptimizer(ClosesCollectively):
         # the others fetch into local stand-ins and buffers, reused by every step.
         self._direct = (self._shared.values.shared_memory and self._state.shared_memory
                         and os.environ.get(DIRECT_ENV, "1") != "0")
-        self._proxies = {ref: torch.empty(ref.shape, dtype=ref.dtype) for ref in self._refs}
         if not self._direct:
             self._grads = {ref: torch.empty(ref.shape, dtype=reduce_dtype(ref.dtype))
                            for ref in self._refs}
             self._fetched = {ref: self._buffers(ref) for ref in self._refs}
-        self._optimizer = optimizer_class(list(self._proxies.values()), *args, **kwargs)
         communicator.Barrier()  # every owner's flags are cleared before anyone steps
 
-    def _agree_on_entries(self, args: tuple, kwargs: dict) -> Dict[Spec, List[StateEntry]]:
+    def _construct(self, args: tuple, kwargs: dict) -> torch.optim.Optimizer:
+        """The optimizer over this rank's stand-ins. Collective: a failure on any rank is raised
+        on all."""
+        optimizer, error = None, None
+        try:
+            optimizer = self._optimizer_class(list(self._proxies.values()), *args, **kwargs)
+        except Exception as failure:
+            error = failure
+        agree(self._shared.communicator, error,
+              f"constructing DistributedOptimizer({self._optimizer_class.__name__})")
+        return optimizer
+
+    def _agree_on_entries(self, args: tuple,
+                          kwargs: dict) -> Tuple[Dict[Spec, List[StateEntry]], Dict[Spec, str]]:
         """The state entries per parameter shape and dtype, learned on every rank and checked
-        to agree. Collective: a failure on any rank is raised on all."""
+        to agree, and why for those whose dummy step failed. Collective: a failure on any rank
+        is raised on all."""
         name = self._optimizer_class.__name__
         communicator = self._shared.communicator
         entries: Dict[Spec, List[StateEntry]] = {}
+        unlearned: Dict[Spec, str] = {}
         error = None
         try:
             for ref in self._parameters:
                 spec = (tuple(ref.shape), ref.dtype)
                 if spec not in entries:
-                    entries[spec] = learn_state(self._optimizer_class, *spec, args, kwargs)
-        except (RuntimeError, TypeError) as failure:
+                    entries[spec], why = learn_state(self._optimizer_class, *spec, args, kwargs)
+                    if why is not None:
+                        unlearned[spec] = why
+        except Exception as failure:
             error = failure
         agree(communicator, error, f"constructing DistributedOptimizer({name})")
         check_consistent(communicator, f"DistributedOptimizer: the state {name} keeps (give every "
                          "rank the same configuration)",
-                         sorted((f"{spec[1]} {spec[0]}", [e.signature() for e in found])
+                         sorted((f"{spec[1]} {spec[0]}", "unknown: its step on a dummy failed"
+                                 if spec in unlearned else [e.signature() for e in found])
                                 for spec, found in entries.items()))
-        return entries
+        return entries, unlearned
 
     def _lay_out_state(self, owner: int, union: List[ParamKey],
                        entries: Dict[Spec, List[StateEntry]]) -> Layout:
@@ -231,6 +262,7 @@ class DistributedOptimizer(ClosesCollectively):
     def owned_parameters(self) -> Dict[int, torch.Tensor]:
         """Copies of the values of the parameters this rank owns, by global index, read from its
         window memory under a shared lock. Not collective."""
+        self._check_open("owned_parameters()")
         with self._own_epoch(self._shared.values):
             return {i: self._value_view(i).clone() for i in self.owned_indices()}
 
@@ -238,6 +270,7 @@ class DistributedOptimizer(ClosesCollectively):
         """Copies of the optimizer state of the parameters this rank owns, by global index
         (parameters not stepped yet have none), read from its window memory under a shared
         lock. Not collective."""
+        self._check_open("owned_state()")
         state = {}
         with self._own_epoch(self._state):
             for i in self.owned_indices():
@@ -259,6 +292,7 @@ class DistributedOptimizer(ClosesCollectively):
             ValueError: naming the rank and the parameter, for a missing or foreign index, a value
                 or state entry of another shape or dtype, or other state keys.
         """
+        self._check_open("load_owned()")
         rank, owned = self._shared.rank, self.owned_indices()
         foreign = sorted((set(parameters) | set(state)) - set(owned))
         missing = [i for i in owned if i not in parameters]
@@ -344,12 +378,51 @@ class DistributedOptimizer(ClosesCollectively):
         Raises:
             ValueError: ``context_id`` is not an open context of this rank.
             RuntimeError: the optimizer failed (for an owner in shared memory, whose parameters
-                it updates in place, the update may be incomplete; otherwise nothing changed).
+                it updates in place, the update may be incomplete; otherwise nothing changed),
+                or this optimizer or its ``SharedTensors`` is closed.
         """
+        self._check_open("step()")
         ctx = autograd.retrieve_context(context_id)
         stepped = [ref for ref in self._refs if ctx.has_gradient(ref)]
         for owner, refs in by_owner(stepped).items():
+            unlearned = [ref for ref in refs if (owner, ref.index) in self._unlearned]
+            if unlearned:
+                self._step_unlearned(owner, unlearned, context_id)  # raises
             self._step_owner(owner, refs, context_id)
+
+    def _step_unlearned(self, owner: int, refs: List[RemoteRef], context_id: int) -> None:
+        """Run the optimizer on copies of ``refs``, whose state layout is unknown, and raise its
+        error, or, if it works on the real values, that the layout is unknown. Writes nothing."""
+        grads = self._shared.fetch_gradients(refs)
+        for proxy in self._proxies.values():
+            proxy.grad = None
+        for ref in refs:
+            proxy = self._proxies[ref]
+            proxy.data, proxy.grad = self._shared.fetch(ref), grads[ref]
+            self._optimizer.state.pop(proxy, None)
+        try:
+            self._optimizer.step()
+        except Exception as error:
+            raise self._failed(owner, refs, context_id, "they were left unchanged",
+                               error) from error
+        finally:
+            for ref in refs:
+                self._proxies[ref].grad = None
+                self._optimizer.state.pop(self._proxies[ref], None)
+        why = self._unlearned[(owner, refs[0].index)]
+        raise RuntimeError(
+            f"DistributedOptimizer.step(context {context_id}) on rank {self._shared.rank}: "
+            f"parameters {[ref.index for ref in refs]} of rank {owner} were left unchanged: their "
+            f"state layout is unknown, since {self._optimizer_class.__name__}'s step on a zero "
+            f"dummy parameter failed at construction ({why})")
+
+    def _failed(self, owner: int, refs: List[RemoteRef], context_id: int, outcome: str,
+                error: Exception) -> RuntimeError:
+        """The error a step raises when the optimizer failed on ``refs`` of ``owner``."""
+        return RuntimeError(
+            f"DistributedOptimizer.step(context {context_id}) on rank {self._shared.rank}: "
+            f"{self._optimizer_class.__name__} failed on parameters "
+            f"{[ref.index for ref in refs]} of rank {owner} ({outcome}): {error}")
 
     def _step_owner(self, owner: int, refs: List[RemoteRef], context_id: int) -> None:
         shared, state = self._shared, self._state
@@ -419,10 +492,7 @@ class DistributedOptimizer(ClosesCollectively):
         except Exception as error:
             outcome = ("the update may be incomplete" if self._direct
                        else "they were left unchanged")
-            raise RuntimeError(
-                f"DistributedOptimizer.step(context {context_id}) on rank {self._shared.rank}: "
-                f"{self._optimizer_class.__name__} failed on parameters "
-                f"{[ref.index for ref in refs]} of rank {owner} ({outcome}): {error}") from error
+            raise self._failed(owner, refs, context_id, outcome, error) from error
 
     @staticmethod
     def _store_in_place(held: List[List[torch.Tensor]], saved: List[List[torch.Tensor]]) -> None:
@@ -456,6 +526,7 @@ class DistributedOptimizer(ClosesCollectively):
     def state_of(self, ref: RemoteRef) -> Dict[str, Any]:
         """``ref``'s optimizer state, fetched from its owner under a shared lock (``{}`` before
         its first step). Not collective."""
+        self._check_open("state_of()")
         key = (ref.owner(), ref.index)
         if key not in self._offsets:
             raise KeyError(f"{ref} is not a parameter of this DistributedOptimizer")
@@ -465,8 +536,19 @@ class DistributedOptimizer(ClosesCollectively):
             return {}
         return {e.key: e.restore(b) for e, b in zip(self._entries[key], buffers)}
 
+    def _check_open(self, call: str) -> None:
+        """Raise ``RuntimeError`` if this optimizer or its ``SharedTensors`` is closed."""
+        if self._closed:
+            raise RuntimeError(f"DistributedOptimizer is closed (rank {self._shared.rank}): "
+                               f"{call} cannot be used after close(), which freed its state")
+        self._shared.check_open()
+
     def close(self) -> None:
-        """Free the state window. Collective."""
+        """Free the state window. Collective. Closing again does nothing; afterwards the
+        methods that read or step parameters raise ``RuntimeError``."""
+        if self._closed:
+            return
+        self._closed = True
         for proxy in self._proxies.values():
             proxy.data = torch.empty(0, dtype=proxy.dtype)  # let go of window memory
         self._state.free()
