@@ -37,8 +37,15 @@ def save(path: str, model: Optional[torch.nn.Module] = None,
     across nodes, between averagings), is this rank's group of ranks holding the same copy (a
     sub-communicator of ``process_group``, such as the node's): each group's copy is saved.
     ``extra`` holds this rank's own values (epoch, RNG states, data position); tensors and
-    arrays in it become datasets. The file appears at ``path`` only once complete; ``keep``
-    then deletes all but the newest ``keep`` checkpoints of the folder.
+    arrays in it become datasets. The file appears at ``path`` only once complete.
+
+    ``keep`` then deletes the older checkpoints of this run beyond the newest ``keep``. The run
+    is ``path``'s folder and name pattern: the files whose names differ from ``path``'s only in
+    the last number (``step-0000900.h5`` for ``step-0001000.h5``; not ``old-run-final.h5``, nor
+    ``b-step9.h5`` for ``a-step10.h5``). Newest means by the creation time recorded inside each
+    file, then the recorded step; never by name. The file just written is never deleted and is
+    one of the ``keep``. Only checkpoints whose checksums verify are counted or deleted: a
+    truncated, damaged or foreign file of the run is left alone, with a warning naming it.
 
     Returns:
         The checkpoint's absolute path.

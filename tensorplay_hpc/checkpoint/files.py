@@ -1,17 +1,33 @@
-"""Checkpoint files on disk: temporary names, the atomic rename, pruning and finding the newest."""
+"""Checkpoint files on disk: temporary names, the atomic rename, their order, pruning and
+finding the newest.
+
+Checkpoints are ordered by the creation time recorded inside them (the ``created`` attribute),
+then by the recorded ``step``, then by modification time and name; never by name alone. A run's
+checkpoints are those in the same folder whose names differ only in their last number (see
+:func:`run_of`).
+"""
 from __future__ import annotations
 
+import datetime
 import errno
 import os
+import re
 import shutil
 import uuid
-from typing import List, Optional
-
-import h5py
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from . import format as fmt
+from .reader import Reader
 
 TEMP_MARK = ".tmp-"
+
+Order = Tuple[float, int, int, str]
+
+# Files this process committed or verified, with their (inode, size, mtime) then: while
+# unchanged they are not read again. And the checkpoint it committed last into each folder.
+_good: Dict[str, Tuple[int, int, int]] = {}
+_written: Dict[str, str] = {}
 
 
 def temporary_name(path: str) -> str:
@@ -56,7 +72,10 @@ def commit(temporary: str, path: str) -> None:
     """Make a completely written file the checkpoint at ``path``, atomically and durably."""
     _fsync(temporary)
     os.replace(temporary, path)
-    _fsync(os.path.dirname(os.path.abspath(path)) or ".", directory=True)
+    path = os.path.abspath(path)
+    _fsync(os.path.dirname(path), directory=True)
+    _good[path] = _signature(path)
+    _written[os.path.dirname(path)] = path
 
 
 def discard(temporary: str) -> None:
@@ -66,36 +85,73 @@ def discard(temporary: str) -> None:
         pass
 
 
-def _is_checkpoint(path: str) -> bool:
+def _signature(path: str) -> Tuple[int, int, int]:
+    status = os.stat(path)
+    return status.st_ino, status.st_size, status.st_mtime_ns
+
+
+def run_of(name: str) -> str:
+    """The run a checkpoint file name belongs to: the name with its last number (before the
+    suffix) replaced by ``#``. ``step-0001600.h5`` and ``step-0001700.h5`` are one run,
+    ``old-run-final.h5`` is a run of its own, ``a1-step5.h5`` and ``a2-step5.h5`` are two."""
+    return re.sub(r"\d+(?=\D*$)", "#", name.removesuffix(fmt.SUFFIX)) + fmt.SUFFIX
+
+
+def _files(directory: str) -> List[str]:
+    """Every file of ``directory`` named like a finished checkpoint (no temporary files)."""
+    if not os.path.isdir(directory):
+        return []
+    return [os.path.join(directory, name) for name in sorted(os.listdir(directory))
+            if name.endswith(fmt.SUFFIX) and TEMP_MARK not in name]
+
+
+def _recorded(reader: Reader, key: str, convert: Callable[[Any], Any]) -> Any:
+    value = reader.attribute("", key)
+    if value is None:
+        raise fmt.CheckpointError(f"{reader.path}: the checkpoint lacks attribute {key!r}")
     try:
-        with h5py.File(path, "r") as f:
-            return (f.attrs.get("format") == fmt.FORMAT
-                    and int(f.attrs.get("format_version", -1)) <= fmt.FORMAT_VERSION)
-    except (OSError, KeyError, ValueError):
-        return False
+        return convert(value)
+    except (TypeError, ValueError):
+        raise fmt.CheckpointError(f"{reader.path}: attribute {key!r} is damaged ({value!r})") from None
+
+
+def _created(value: Any) -> float:
+    return datetime.datetime.fromisoformat(str(value)).timestamp()
+
+
+def order(path: str) -> Order:
+    """The sort key of checkpoint ``path``: its recorded creation time, its recorded step, its
+    modification time, its name. Reads attributes only.
+
+    Raises:
+        CheckpointError: if ``path`` is not a readable checkpoint (truncated, foreign, garbage,
+            a newer format, a missing or damaged ``created`` or ``step``).
+    """
+    with Reader(path) as reader:
+        created = _recorded(reader, "created", _created)
+        step = _recorded(reader, "step", int)
+    return created, step, os.stat(path).st_mtime_ns, os.path.basename(path)
 
 
 def checkpoints(directory: str) -> List[str]:
-    """The readable checkpoint files in ``directory``, oldest first (by step, then time)."""
-    if not os.path.isdir(directory):
-        return []
+    """The readable checkpoint files in ``directory``, oldest first (see :func:`order`). Not
+    collective; checksums are not checked."""
     found = []
-    for name in os.listdir(directory):
-        path = os.path.join(directory, name)
-        if name.endswith(fmt.SUFFIX) and TEMP_MARK not in name and _is_checkpoint(path):
-            with h5py.File(path, "r") as f:
-                step = int(f.attrs.get("step", -1))
-            found.append((step, os.path.getmtime(path), path))
-    return [path for _, _, path in sorted(found)]
+    for path in _files(directory):
+        try:
+            found.append((order(path), path))
+        except fmt.CheckpointError:
+            continue
+    return [path for _, path in sorted(found)]
 
 
 def latest(directory: str, verify: bool = True) -> Optional[str]:
     """The newest good checkpoint in ``directory``, or ``None``. Not collective.
 
-    With ``verify`` (the default) every checksum of a candidate is checked, newest first, so a
-    damaged file is passed over for the one before it.
+    Every checkpoint of the folder is a candidate, newest first by :func:`order`. With
+    ``verify`` (the default) every checksum of a candidate is checked, so a damaged file is
+    passed over for the one before it.
     """
-    from .reader import Reader
     for path in reversed(checkpoints(directory)):
         if not verify:
             return path
@@ -108,11 +164,57 @@ def latest(directory: str, verify: bool = True) -> Optional[str]:
     return None
 
 
-def prune(directory: str, keep: int) -> List[str]:
-    """Delete all but the newest ``keep`` checkpoints in ``directory``; return those deleted."""
+def _verify(path: str) -> None:
+    """Check every checksum of ``path``, unless this process wrote or verified it unchanged."""
+    signature = _signature(path)
+    if _good.get(path) == signature:
+        return
+    with Reader(path) as reader:
+        reader.verify()
+    _good[path] = signature
+
+
+def _leave(path: str, keep: int, reason: Exception) -> None:
+    text = str(reason).removeprefix(f"{path}: ")
+    warnings.warn(f"keep={keep}: {path} is left alone, neither counted nor deleted: {text}",
+                  RuntimeWarning, stacklevel=3)
+
+
+def prune(directory: str, keep: int, written: Optional[str] = None) -> List[str]:
+    """Delete the checkpoints of ``written``'s run beyond the newest ``keep`` good ones; return
+    those deleted. Not collective: one process calls it, after a save.
+
+    ``written`` is the checkpoint just saved (by default the one this process committed last
+    into ``directory``): it is never deleted and is the first of the ``keep``. The others of its
+    run (see :func:`run_of`) follow newest first (see :func:`order`). Only a checkpoint whose
+    checksums all verify is counted or deleted; any other file of the run is left alone, with a
+    warning naming it. Files of other runs are not looked at.
+    """
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
-    old = checkpoints(directory)[:-keep]
-    for path in old:
-        os.remove(path)
-    return old
+    directory = os.path.abspath(directory)
+    written = os.path.abspath(written) if written is not None else _written.get(directory)
+    if written is None:
+        raise ValueError(f"no checkpoint was written into {directory}: name the one to keep")
+    run = run_of(os.path.basename(written))
+    found = []
+    for path in _files(directory):
+        if path != written and run_of(os.path.basename(path)) == run:
+            try:
+                found.append((order(path), path))
+            except Exception as error:   # anything we cannot vouch for stays
+                _leave(path, keep, error)
+    kept, deleted = 1, []
+    for _, path in sorted(found, reverse=True):
+        try:
+            _verify(path)
+            if kept < keep:
+                kept += 1
+                continue
+            os.remove(path)
+        except Exception as error:
+            _leave(path, keep, error)
+            continue
+        _good.pop(path, None)
+        deleted.append(path)
+    return deleted
