@@ -158,25 +158,41 @@ def test_ddp_wrapped_model_and_extras(folder):
 
 
 def test_file_format_is_plain_hdf5(folder):
-    model = make_model()
-    model[0].weight.data = model[0].weight.data.to(torch.bfloat16)
+    """Serial h5py and json alone find every tensor: a large one in its own dataset, small ones
+    back to back in their dtype's packed dataset, each with its dtype and checksum."""
+    model = torch.nn.Sequential(torch.nn.Linear(200, 200), torch.nn.Tanh(), torch.nn.Linear(200, 3))
+    model[0].weight.data = model[0].weight.data.to(torch.bfloat16)     # 80,000 bytes
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     path = checkpoint.save(os.path.join(folder, "format.h5"), model, optimizer,
                            extra={"step": 12})
     if WORLD.Get_rank() == 0:
         with h5py.File(path, "r") as f:      # serial h5py, no MPI
             assert f.attrs["format"] == fmt.FORMAT
-            assert f.attrs["format_version"] == fmt.FORMAT_VERSION
+            assert f.attrs["format_version"] == fmt.FORMAT_VERSION == 3
             assert f.attrs["world_size"] == WORLD.Get_size()
             assert json.loads(f.attrs["replicas"]) == [list(range(WORLD.Get_size()))]
             assert f.attrs["step"] == 12
             assert f.attrs["torch_version"] == torch.__version__
+            catalog = json.loads(f["catalog"][()].tobytes())
+            tensors = catalog["tensors"]
+            assert sorted(n[len("model/"):] for n in tensors if n.startswith("model/")) == sorted(
+                model.state_dict())
+            assert tensors["model/0.weight"] == [
+                "model/0.weight", None, [200, 200], 40_000, "bfloat16",
+                fmt.checksum(model[0].weight.data.view(torch.int16).numpy())]
             weight = f["model/0.weight"]
-            assert weight.attrs["torch_dtype"] == "bfloat16" and weight.dtype == np.int16
-            raw = torch.from_numpy(weight[()]).view(torch.bfloat16)
-            assert torch.equal(raw, model[0].weight.data)
-            assert int(f["model/3.bias"].attrs["crc32"]) == fmt.checksum(model[3].bias.detach().numpy())
-            assert sorted(f["model"]) == sorted(model.state_dict())
+            assert weight.dtype == np.int16
+            assert torch.equal(torch.from_numpy(weight[()]).view(torch.bfloat16), model[0].weight.data)
+            packed = {name: entry for name, entry in tensors.items() if entry[1] is not None}
+            assert "model/2.bias" in packed and "model/0.bias" in packed
+            for name, (dataset, offset, shape, numel, dtype, crc) in packed.items():
+                assert dataset == f"packed/{dtype}" and numel == int(np.prod(shape))
+                values = f[dataset][offset:offset + numel]
+                assert fmt.checksum(values) == crc
+            dataset, offset, _, _, _, _ = tensors["model/2.bias"]
+            assert torch.equal(torch.from_numpy(f[dataset][offset:offset + 3]), model[2].bias.data)
+            assert sorted(f["packed"]) == ["float32"]
+            assert catalog["attributes"]["optimizer"]["class"] == "torch.optim.sgd.SGD"
         assert checkpoint.latest(folder) == path
     WORLD.Barrier()
 
@@ -214,9 +230,11 @@ def test_failed_save_leaves_previous_checkpoint(folder, monkeypatch):
     assert torch.equal(fresh[0].weight, make_model()[0].weight)
 
 
-def corrupt(path, dataset, offset=0):
+def corrupt(path, name, offset=0):
+    """Flip the bits of byte ``offset`` of tensor ``name``'s values in the file."""
     with h5py.File(path, "r") as f:
-        where = f[dataset].id.get_offset()
+        dataset, first, _, _, _, _ = json.loads(f["catalog"][()].tobytes())["tensors"][name]
+        where = f[dataset].id.get_offset() + (first or 0) * f[dataset].dtype.itemsize
     with open(path, "r+b") as raw:
         raw.seek(where + offset)
         byte = raw.read(1)
@@ -338,10 +356,10 @@ def test_each_replica_resumes_its_own_copy_and_other_layouts_their_average(folde
     optimizer = adam_step(model, gradient=1.0 + color)
     path = checkpoint.save(os.path.join(folder, "replicas.h5"), model, optimizer,
                            replica_group=replica)
-    with h5py.File(path, "r") as f:
+    with checkpoint.Reader(path) as reader:
         groups = [[0]] if n == 1 else [list(range(n // 2)), list(range(n // 2, n))]
-        assert json.loads(f.attrs["replicas"]) == groups
-        assert ("replica1/model/p.0" in f) == (n > 1) and ("model/p.0" in f) == (n == 1)
+        assert json.loads(reader.attribute("", "replicas")) == groups
+        assert reader.has("replica1/model/p.0") == (n > 1) and reader.has("model/p.0") == (n == 1)
 
     own = Four(offset=-1.0)
     own_optimizer = adam_step(own, gradient=7.0)
@@ -372,14 +390,33 @@ def test_each_replica_resumes_its_own_copy_and_other_layouts_their_average(folde
     replica.Free()
 
 
-def test_version_1_files_still_load(folder):
+def rewrite_in_old_layout(path, version):
+    """Rewrite a checkpoint as versions 1 and 2 laid it out: a dataset per tensor carrying its
+    dtype and checksum, every attribute an HDF5 attribute (and no replicas in version 1)."""
+    with checkpoint.Reader(path) as reader:
+        tensors = {name: (fmt.to_numpy(reader.tensor(name)), entry)
+                   for name, entry in zip(reader.catalog.tensors, reader.catalog.entries())}
+        attributes = reader.catalog.attributes
+        root = dict(reader.file.attrs)
+    with h5py.File(path, "w") as f:
+        f.attrs.update(root)
+        f.attrs["format_version"] = version
+        if version == 1:
+            del f.attrs["replicas"]
+        for name, (array, entry) in tensors.items():
+            dataset = f.create_dataset(name, data=array)
+            dataset.attrs.update({"torch_dtype": entry.dtype, "crc32": np.uint32(entry.crc32)})
+        for node, attrs in attributes.items():
+            f.require_group(node).attrs.update(attrs)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_files_of_older_versions_still_load(folder, version):
     model = Four()
     optimizer = adam_step(model)
-    path = checkpoint.save(os.path.join(folder, "v1.h5"), model, optimizer)
+    path = checkpoint.save(os.path.join(folder, f"v{version}.h5"), model, optimizer)
     if WORLD.Get_rank() == 0:
-        with h5py.File(path, "r+") as f:      # as version 1 wrote it: no replicas attribute
-            del f.attrs["replicas"]
-            f.attrs["format_version"] = 1
+        rewrite_in_old_layout(path, version)
     WORLD.Barrier()
     resumed = Four(offset=5.0)
     again = adam_step(resumed, gradient=3.0)

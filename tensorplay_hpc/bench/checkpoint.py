@@ -3,12 +3,15 @@ PyTorch's path (ZeroRedundancyOptimizer.consolidate_state_dict on rank 0, then t
 load, torch.load and load_state_dict on every rank), and our write bandwidth against a raw h5py
 ``mpio`` write of the same bytes (each rank writes its share of one dataset). For a replicated
 (plain Adam) checkpoint, the load's bytes read per rank and time against every rank reading the
-whole file (the loader before replicated entries were read once and broadcast) and torch.load."""
+whole file (the loader before replicated entries were read once and broadcast) and torch.load.
+Save and load of ZeRO-Adam over 50,000 tiny parameters, where per-tensor work dominates, against
+PyTorch's path again."""
 from __future__ import annotations
 
 import os
 import shutil
 import tempfile
+from typing import Callable, Tuple
 
 import h5py
 import numpy as np
@@ -20,7 +23,7 @@ from tensorplay_hpc import checkpoint
 from tensorplay_hpc.checkpoint import restore
 from tensorplay_hpc.checkpoint.replicas import Replicas
 from tensorplay_hpc.bench.gloo import init_gloo
-from tensorplay_hpc.bench.models import mlp
+from tensorplay_hpc.bench.models import TINY_COUNT, mlp, tiny_parameters
 from tensorplay_hpc.bench.report import Report
 from tensorplay_hpc.bench.timing import compare
 from tensorplay_hpc.distributed.optim import ZeroRedundancyOptimizer
@@ -95,46 +98,56 @@ def _replicated_load(report: Report, folder: str, world: MPI.Intracomm) -> None:
                        old_bytes if baseline == "every-rank-reads" else os.path.getsize(torch_path)))
 
 
+def _zero_save_and_load(report: Report, folder: str, world: MPI.Intracomm,
+                        make_model: Callable[[], torch.nn.Module], what: str) -> Tuple[float, int]:
+    """Save and load of ZeRO-Adam over ``make_model()``, ours against PyTorch's path; returns
+    our save time and the file's size."""
+    model = make_model()
+    ours = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
+    _stepped(model, ours)
+    theirs_model = make_model()
+    theirs = TorchZeRO(theirs_model.parameters(), torch.optim.Adam, lr=1e-3)
+    _stepped(theirs_model, theirs)
+    ours_path = os.path.join(folder, "ours.h5")
+    torch_path = os.path.join(folder, "torch.pt")
+
+    def torch_save() -> None:
+        theirs.consolidate_state_dict(to=0)
+        if world.rank == 0:
+            torch.save({"model": theirs_model.state_dict(), "optimizer": theirs.state_dict()},
+                       torch_path)
+        world.Barrier()
+
+    def torch_load() -> None:
+        saved = torch.load(torch_path, weights_only=True)
+        theirs_model.load_state_dict(saved["model"])
+        theirs.load_state_dict(saved["optimizer"])
+
+    save_s, torch_save_s = compare([lambda: checkpoint.save(ours_path, model, ours),
+                                    torch_save], REPEAT, warmup=1)
+    nbytes = os.path.getsize(ours_path)
+    report.add("checkpoint", f"save (zero adam{what})", save_s, "torch-save", torch_save_s,
+               nbytes=nbytes)
+    load_s, torch_load_s = compare([lambda: checkpoint.load(ours_path, model, ours),
+                                    torch_load], REPEAT, warmup=1)
+    report.add("checkpoint", f"load (zero adam{what})", load_s, "torch-save", torch_load_s,
+               nbytes=nbytes)
+    return save_s, nbytes
+
+
 def run(report: Report) -> None:
     world = MPI.COMM_WORLD
     init_gloo(world)
     folder = world.bcast(tempfile.mkdtemp(prefix="tensorplay-bench-") if world.rank == 0 else None)
     try:
-        model = mlp()
-        ours = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
-        _stepped(model, ours)
-        theirs_model = mlp()
-        theirs = TorchZeRO(theirs_model.parameters(), torch.optim.Adam, lr=1e-3)
-        _stepped(theirs_model, theirs)
-        ours_path = os.path.join(folder, "ours.h5")
-        torch_path = os.path.join(folder, "torch.pt")
-
-        def torch_save() -> None:
-            theirs.consolidate_state_dict(to=0)
-            if world.rank == 0:
-                torch.save({"model": theirs_model.state_dict(), "optimizer": theirs.state_dict()},
-                           torch_path)
-            world.Barrier()
-
-        def torch_load() -> None:
-            saved = torch.load(torch_path, weights_only=True)
-            theirs_model.load_state_dict(saved["model"])
-            theirs.load_state_dict(saved["optimizer"])
-
-        save_s, torch_save_s = compare([lambda: checkpoint.save(ours_path, model, ours),
-                                        torch_save], REPEAT, warmup=1)
-        nbytes = os.path.getsize(ours_path)
-        report.add("checkpoint", "save (zero adam)", save_s, "torch-save", torch_save_s,
-                   nbytes=nbytes)
-        load_s, torch_load_s = compare([lambda: checkpoint.load(ours_path, model, ours),
-                                        torch_load], REPEAT, warmup=1)
-        report.add("checkpoint", "load (zero adam)", load_s, "torch-save", torch_load_s,
-                   nbytes=nbytes)
+        save_s, nbytes = _zero_save_and_load(report, folder, world, mlp, "")
         (raw_s,) = compare([_raw_write(os.path.join(folder, "raw.h5"), nbytes, world)],
                            REPEAT, warmup=1)
         report.add("checkpoint", "save write bandwidth", save_s, "h5py-raw", raw_s, nbytes=nbytes,
                    ours_GBps=round(nbytes / save_s / 1e9, 3), raw_GBps=round(nbytes / raw_s / 1e9, 3))
         _replicated_load(report, folder, world)
+        _zero_save_and_load(report, folder, world, tiny_parameters,
+                            f", {TINY_COUNT:,} tiny parameters")
     finally:
         world.Barrier()
         if world.rank == 0:

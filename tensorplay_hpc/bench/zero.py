@@ -1,8 +1,9 @@
 """ZeroRedundancyOptimizer with Adam on the benchmark MLP: step time with and without bucket view
 against PyTorch's ZeroRedundancyOptimizer over gloo and against the limit (this rank's Adam step
 over its shard plus a raw mpi4py ``Allgatherv`` of all the parameters' bytes in one numpy array);
-and ``consolidate_state_dict`` against PyTorch's. Gradients are set once, before timing; only
-``step()`` is timed."""
+and ``consolidate_state_dict`` against PyTorch's; the step over 50,000 tiny parameters, where
+per-parameter work dominates. Gradients are set once, before timing; only ``step()`` is
+timed."""
 from __future__ import annotations
 
 from typing import List
@@ -13,7 +14,7 @@ from mpi4py import MPI
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
 
 from tensorplay_hpc.bench.gloo import init_gloo
-from tensorplay_hpc.bench.models import mlp
+from tensorplay_hpc.bench.models import TINY_COUNT, mlp, tiny_parameters
 from tensorplay_hpc.bench.report import Report
 from tensorplay_hpc.bench.timing import compare
 from tensorplay_hpc.distributed.optim import ZeroRedundancyOptimizer
@@ -24,8 +25,8 @@ ADAM_KERNELS = ("foreach", "fused")
 CONSOLIDATE_REPEAT = 3   # PyTorch takes seconds per consolidation
 
 
-def _params_with_grads() -> List[torch.Tensor]:
-    params = list(mlp().parameters())
+def _params_with_grads(model: torch.nn.Module) -> List[torch.Tensor]:
+    params = list(model.parameters())
     generator = torch.Generator().manual_seed(1)
     for p in params:
         p.grad = torch.randn(p.shape, generator=generator)
@@ -60,9 +61,9 @@ def run(report: Report) -> None:
     for kernel in ADAM_KERNELS:
         adam = {"lr": 1e-3, kernel: True}
         for bucket_view in (True, False):
-            ours = ZeroRedundancyOptimizer(_params_with_grads(), torch.optim.Adam,
+            ours = ZeroRedundancyOptimizer(_params_with_grads(mlp()), torch.optim.Adam,
                                            parameters_as_bucket_view=bucket_view, **adam)
-            theirs = TorchZeRO(_params_with_grads(), torch.optim.Adam,
+            theirs = TorchZeRO(_params_with_grads(mlp()), torch.optim.Adam,
                                parameters_as_bucket_view=bucket_view, **adam)
             limit, raw_allgather = _limit(ours, world, adam)
             nbytes = 4 * sum(p.numel() for p in ours.params_by_index)
@@ -79,3 +80,13 @@ def run(report: Report) -> None:
                 report.add("zero", "consolidate_state_dict (adam)", ours_s, "torch-gloo",
                            theirs_s, nbytes=2 * nbytes)
             del ours, theirs
+    _tiny_parameters(report)
+
+
+def _tiny_parameters(report: Report) -> None:
+    adam = {"lr": 1e-3, "foreach": True}
+    ours = ZeroRedundancyOptimizer(_params_with_grads(tiny_parameters()), torch.optim.Adam, **adam)
+    theirs = TorchZeRO(_params_with_grads(tiny_parameters()), torch.optim.Adam, **adam)
+    ours_s, theirs_s = compare([ours.step, theirs.step], report.repeat)
+    report.add("zero", f"foreach adam step, {TINY_COUNT:,} tiny parameters", ours_s,
+               "torch-gloo", theirs_s, nbytes=4 * sum(p.numel() for p in ours.params_by_index))

@@ -25,9 +25,8 @@ TEMP_MARK = ".tmp-"
 Order = Tuple[float, int, int, str]
 
 # Files this process committed or verified, with their (inode, size, mtime) then: while
-# unchanged they are not read again. And the checkpoint it committed last into each folder.
+# unchanged they are not read again.
 _good: Dict[str, Tuple[int, int, int]] = {}
-_written: Dict[str, str] = {}
 
 
 def temporary_name(path: str) -> str:
@@ -75,7 +74,6 @@ def commit(temporary: str, path: str) -> None:
     path = os.path.abspath(path)
     _fsync(os.path.dirname(path), directory=True)
     _good[path] = _signature(path)
-    _written[os.path.dirname(path)] = path
 
 
 def discard(temporary: str) -> None:
@@ -180,22 +178,20 @@ def _leave(path: str, keep: int, reason: Exception) -> None:
                   RuntimeWarning, stacklevel=3)
 
 
-def prune(directory: str, keep: int, written: Optional[str] = None) -> List[str]:
+def prune(written: str, keep: int) -> List[str]:
     """Delete the checkpoints of ``written``'s run beyond the newest ``keep`` good ones; return
     those deleted. Not collective: one process calls it, after a save.
 
-    ``written`` is the checkpoint just saved (by default the one this process committed last
-    into ``directory``): it is never deleted and is the first of the ``keep``. The others of its
-    run (see :func:`run_of`) follow newest first (see :func:`order`). Only a checkpoint whose
-    checksums all verify is counted or deleted; any other file of the run is left alone, with a
-    warning naming it. Files of other runs are not looked at.
+    ``written`` is the checkpoint just saved: it is never deleted and is the first of the
+    ``keep``. The others of its run (its folder's files of the same :func:`run_of`) follow
+    newest first (see :func:`order`). Only a checkpoint whose checksums all verify is counted or
+    deleted; any other file of the run is left alone, with a warning naming it. Files of other
+    runs are not looked at.
     """
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
-    directory = os.path.abspath(directory)
-    written = os.path.abspath(written) if written is not None else _written.get(directory)
-    if written is None:
-        raise ValueError(f"no checkpoint was written into {directory}: name the one to keep")
+    written = os.path.abspath(written)
+    directory = os.path.dirname(written)
     run = run_of(os.path.basename(written))
     found = []
     for path in _files(directory):

@@ -1,26 +1,31 @@
-"""The checkpoint file format: names, attributes and how tensors become HDF5 datasets.
+"""The checkpoint file format: names, attributes and how tensors are stored.
 
-One HDF5 file per checkpoint::
+One HDF5 file per checkpoint. Tensors and attributes are named as in a tree::
 
     /                         attrs: format, format_version, package_version, torch_version,
                                      world_size, step, created, replicas (JSON)
-    /model/<name>             each parameter and buffer of model.state_dict(), by name
-    /optimizer                attrs: class, kind, param_groups (JSON), and kind-specific values
-    /optimizer/state/<i>/<k>  optimizer state of global parameter index i, key k
-    /optimizer/parameters/<i> a DistributedOptimizer's parameter values, written by their owners
-    /extra/rank<r>/<k>        the user's extra values saved by rank r (tensors as datasets,
-                              everything else in the group's "values" attribute)
+    model/<name>              each parameter and buffer of model.state_dict(), by name
+    optimizer                 attrs: class, kind, param_groups (JSON), and kind-specific values
+    optimizer/state/<i>/<k>   optimizer state of global parameter index i, key k
+    optimizer/parameters/<i>  a DistributedOptimizer's parameter values, written by their owners
+    extra/rank<r>/<k>         the user's extra values saved by rank r (tensors as datasets,
+                              everything else in the node's "values" attribute)
 
 With several replicas (ranks whose replicated state differs between groups, as post-local SGD
-across nodes), replica ``j``'s model and replicated optimizer state lie under ``/replica<j>/``
-(``/replica<j>/model/<name>``, ``/replica<j>/optimizer/state/<i>/<k>``); with one replica (every
+across nodes), replica ``j``'s model and replicated optimizer state lie under ``replica<j>/``
+(``replica<j>/model/<name>``, ``replica<j>/optimizer/state/<i>/<k>``); with one replica (every
 file of version 1) there is no prefix.
 
-Every dataset has the attributes ``torch_dtype`` and ``crc32`` (of its raw bytes). bfloat16,
-which HDF5 lacks, is stored as its raw 16-bit words (``uint16``).
+Since version 3, only the root's attributes are HDF5 attributes; the tree's names, every other
+attribute and where each tensor's values lie (a dataset of its own for large tensors, a stretch
+of ``/packed/<dtype>`` for small ones) are in the ``/catalog`` dataset (see :mod:`.catalog`).
+In versions 1 and 2 each tensor was a dataset of its name, each attribute an HDF5 attribute.
+Every tensor has a ``torch_dtype`` and the ``crc32`` of its raw bytes. bfloat16, which HDF5
+lacks, is stored as its raw 16-bit words (``int16``).
 """
 from __future__ import annotations
 
+import functools
 import zlib
 from typing import Optional
 
@@ -28,7 +33,7 @@ import numpy as np
 import torch
 
 FORMAT = "tensorplay_hpc-checkpoint"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 SUFFIX = ".h5"
 
 _STORED_AS = {torch.bfloat16: torch.int16}
@@ -38,10 +43,12 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read; the message names the file and the problem."""
 
 
+@functools.lru_cache(maxsize=None)
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+@functools.lru_cache(maxsize=None)
 def torch_dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
@@ -49,6 +56,7 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
+@functools.lru_cache(maxsize=None)
 def numpy_dtype(dtype: torch.dtype) -> np.dtype:
     """The numpy (and so HDF5) dtype a tensor of ``dtype`` is stored as."""
     stored = _STORED_AS.get(dtype, dtype)
@@ -76,7 +84,7 @@ def from_numpy(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 
 def checksum(array: np.ndarray) -> int:
     """CRC-32 of an array's raw bytes."""
-    return zlib.crc32(memoryview(np.ascontiguousarray(array)).cast("B")) & 0xFFFFFFFF
+    return zlib.crc32(np.ascontiguousarray(array).reshape(-1).view(np.uint8)) & 0xFFFFFFFF
 
 
 def replica_prefix(replica: int, replicas: int) -> str:

@@ -1,9 +1,11 @@
 """Reading a checkpoint file: validation, checksummed tensors and attributes. Not collective:
 each rank opens the file read-only and reads only what it needs; :attr:`Reader.bytes_read`
-counts the dataset bytes it read."""
+counts the bytes of tensor values it read. Small tensors are read from their packed dataset a
+block at a time, so reading many of them in file order costs a few reads."""
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from typing import Any, Dict, List, Tuple
 
 import h5py
@@ -12,6 +14,10 @@ import torch
 
 from . import format as fmt
 from . import values
+from .catalog import Catalog, Entry
+
+_BLOCK_ELEMENTS = 1 << 20
+_BLOCKS_CACHED = 8
 
 
 class Reader:
@@ -33,16 +39,28 @@ class Reader:
         except OSError as error:
             raise fmt.CheckpointError(f"{self.path}: not a readable HDF5 file (truncated or "
                                       f"corrupted?): {error}") from None
+        try:
+            self.version = self._format_version()
+            self.catalog = Catalog.read(self.file, self.path, self.version)
+        except fmt.CheckpointError:
+            self.close()
+            raise
+        self._blocks: "OrderedDict[Tuple[str, int], np.ndarray]" = OrderedDict()
+
+    def _format_version(self) -> int:
         found = self.file.attrs.get("format")
         if found != fmt.FORMAT:
-            self.close()
             raise fmt.CheckpointError(f"{self.path}: not a tensorplay_hpc checkpoint "
                                       f"(format attribute is {found!r})")
-        version = self.version = int(self.file.attrs.get("format_version", -1))
+        try:
+            version = int(self.file.attrs["format_version"])
+        except (KeyError, TypeError, ValueError):
+            raise fmt.CheckpointError(f"{self.path}: attribute 'format_version' is missing or "
+                                      "damaged") from None
         if version > fmt.FORMAT_VERSION:
-            self.close()
             raise fmt.CheckpointError(f"{self.path}: format version {version} is newer than this "
                                       f"package reads ({fmt.FORMAT_VERSION})")
+        return version
 
     def close(self) -> None:
         self.file.close()
@@ -58,60 +76,99 @@ class Reader:
         return {k: (v.item() if hasattr(v, "item") else v) for k, v in self.file.attrs.items()}
 
     def has(self, name: str) -> bool:
-        return name in self.file
+        return self.catalog.has(name)
 
     def names(self, group: str) -> List[str]:
         """The members of ``group`` (empty if it does not exist)."""
-        node = self.file.get(group)
-        return list(node.keys()) if isinstance(node, h5py.Group) else []
+        return self.catalog.children(group)
 
     def attribute(self, node: str, key: str, default: Any = None) -> Any:
-        obj = self.file.get(node) if node else self.file
-        if obj is None or key not in obj.attrs:
-            return default
-        return obj.attrs[key]
+        """Attribute ``key`` of ``node`` (``""``: the file's own attributes)."""
+        attributes = self.file.attrs if not node else self.catalog.attributes.get(node, {})
+        return attributes[key] if key in attributes else default
 
     def decoded(self, node: str, key: str = "values", default: Any = None) -> Any:
         """An attribute holding JSON values (see :mod:`.values`)."""
         text = self.attribute(node, key)
-        return default if text is None else values.loads(text)
+        if text is None:
+            return default
+        try:
+            return values.loads(text)
+        except (TypeError, ValueError) as error:
+            raise fmt.CheckpointError(f"{self.path}: attribute {key!r} of {node or '/'!r} is "
+                                      f"damaged ({error})") from None
 
-    def shape(self, name: str) -> tuple:
-        return self.file[name].shape
+    def required(self, node: str, key: str) -> Any:
+        """Attribute ``key`` of ``node``, decoded from JSON; a clear error if it is missing."""
+        if self.attribute(node, key) is None:
+            raise fmt.CheckpointError(f"{self.path}: the checkpoint lacks attribute {key!r} of "
+                                      f"{node or '/'!r}")
+        return self.decoded(node, key)
 
     def verify(self) -> int:
-        """Read every dataset and check its checksum; return how many there are."""
-        names: List[str] = []
-        self.file.visititems(lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None)
-        for name in names:
+        """Read every tensor and check its checksum; return how many there are."""
+        for name in self.catalog.tensors:
             self.tensor(name)
-        return len(names)
+        return len(self.catalog.tensors)
+
+    def _entry(self, name: str) -> Entry:
+        try:
+            entry = self.catalog.entry(name)
+        except (TypeError, ValueError):
+            raise fmt.CheckpointError(f"{self.path}: the catalog's entry of {name!r} is "
+                                      "damaged") from None
+        if entry is None:
+            raise fmt.CheckpointError(f"{self.path}: the checkpoint lacks dataset {name!r}")
+        return entry
 
     def describe(self, name: str) -> Tuple[Tuple[int, ...], torch.dtype]:
-        """The shape and dtype of dataset ``name`` (metadata only, no values read)."""
-        try:
-            dataset = self.file[name]
-        except KeyError:
-            raise fmt.CheckpointError(f"{self.path}: the checkpoint lacks dataset {name!r}") from None
-        return tuple(dataset.shape), fmt.torch_dtype(dataset.attrs["torch_dtype"])
+        """The shape and dtype of tensor ``name`` (from the catalog, no values read)."""
+        entry = self._entry(name)
+        return entry.shape, fmt.torch_dtype(entry.dtype)
+
+    def _block(self, dataset: str, index: int) -> np.ndarray:
+        """Block ``index`` of a packed dataset, from the cache of the last few read."""
+        key = (dataset, index)
+        block = self._blocks.get(key)
+        if block is None:
+            block = self.file[dataset][index * _BLOCK_ELEMENTS:(index + 1) * _BLOCK_ELEMENTS]
+            if len(self._blocks) >= _BLOCKS_CACHED:
+                self._blocks.popitem(last=False)
+            self._blocks[key] = block
+        elif key != next(reversed(self._blocks)):
+            self._blocks.move_to_end(key)
+        return block
+
+    def _read_packed(self, entry: Entry, out: np.ndarray) -> None:
+        flat, position, end = out.reshape(-1), entry.offset, entry.offset + entry.numel
+        while position < end:
+            index, start = divmod(position, _BLOCK_ELEMENTS)
+            block = self._block(entry.dataset, index)
+            piece = block[start:start + end - position]
+            if not piece.size:
+                raise OSError(f"the packed dataset {entry.dataset!r} ends early")
+            flat[position - entry.offset:position - entry.offset + piece.size] = piece
+            position += piece.size
 
     def read_into(self, name: str, out: np.ndarray) -> None:
-        """Read dataset ``name`` into ``out`` (its shape and stored dtype), verifying its
+        """Read tensor ``name`` into ``out`` (its shape and stored dtype), verifying its
         checksum."""
+        entry = self._entry(name)
         try:
-            dataset = self.file[name]
-            if out.size:
-                dataset.read_direct(out)
-        except (OSError, KeyError) as error:
+            if entry.offset is not None:
+                self._read_packed(entry, out)
+            elif out.size:
+                self.file[entry.dataset].read_direct(out)
+        except (OSError, KeyError, ValueError) as error:
             raise fmt.CheckpointError(f"{self.path}: cannot read dataset {name!r} (truncated "
                                       f"file?): {error}") from None
         self.bytes_read += out.nbytes
-        if fmt.checksum(out) != int(dataset.attrs["crc32"]):
+        if fmt.checksum(out) != entry.crc32:
             raise fmt.CheckpointError(f"{self.path}: checksum mismatch in dataset {name!r}: the "
                                       "file is corrupted")
 
     def tensor(self, name: str) -> torch.Tensor:
-        """Read dataset ``name`` as a tensor, verifying its checksum."""
+        """Read tensor ``name``, verifying its checksum."""
         shape, dtype = self.describe(name)
         out = np.empty(shape, dtype=fmt.numpy_dtype(dtype))
         self.read_into(name, out)

@@ -16,7 +16,6 @@ from mpi4py import MPI
 from tensorplay_hpc.comm import agree
 
 from . import format as fmt
-from . import values
 from .optimizers import Checkpointable, adapter_for
 from .reader import Reader
 from .replicas import Replicas
@@ -117,17 +116,13 @@ def _plan(reader: Reader, sources: List[str], rank: int, model: Optional[torch.n
     return plan
 
 
-def _texts(reader: Reader, plan: Plan) -> Dict[str, Any]:
-    """The optimizer's non-tensor values (param_groups, attributes, each state's values)."""
-    texts = {"param_groups": reader.attribute("optimizer", "param_groups"),
-             "attributes": reader.attribute("optimizer", "attributes")}
+def _optimizer_values(reader: Reader, plan: Plan) -> Dict[Any, Any]:
+    """The optimizer's non-tensor values: param_groups, attributes, each shared state's values."""
+    found = {"param_groups": reader.required("optimizer", "param_groups"),
+             "attributes": reader.decoded("optimizer", "attributes", default={})}
     for index in plan.shared_state:
-        texts[index] = reader.attribute(fmt.state_node(index, plan.state_prefix), "values")
-    return texts
-
-
-def _decode(text: Optional[str], default: Any) -> Any:
-    return default if text is None else values.loads(text)
+        found[index] = reader.decoded(fmt.state_node(index, plan.state_prefix), default={})
+    return found
 
 
 def _extra(reader: Reader, rank: int) -> Dict[str, Any]:
@@ -161,8 +156,14 @@ def load_into(reader: Reader, comm: MPI.Intracomm, replicas: Replicas,
         error = failure
     agree(comm, error, what, fmt.CheckpointError)
 
-    texts = comm.bcast(_texts(reader, plan) if rank == 0 and optimizer is not None else None,
-                       root=0)
+    error, optimizer_values = None, {}
+    if rank == 0 and optimizer is not None:
+        try:
+            optimizer_values = _optimizer_values(reader, plan)
+        except Exception as failure:
+            error = failure
+    agree(comm, error, what, fmt.CheckpointError)
+    optimizer_values = comm.bcast(optimizer_values, root=0)
     sharing = comm.Split(replicas.index, rank) if own_layout else comm
     try:
         shared = read_shared(reader, plan.shared_names(), sharing)
@@ -189,7 +190,7 @@ def load_into(reader: Reader, comm: MPI.Intracomm, replicas: Replicas,
         if optimizer is not None:
             state: Dict[int, Dict[str, Any]] = {}
             for index, keys in plan.shared_state.items():
-                entry = dict(_decode(texts[index], {}))
+                entry = dict(optimizer_values[index])
                 for key in keys:
                     entry[key] = combine([shared[fmt.state_name(index, key, p if plan.state_prefix
                                                                 else "")]
@@ -197,8 +198,8 @@ def load_into(reader: Reader, comm: MPI.Intracomm, replicas: Replicas,
                 state[index] = entry
             for index, tensors in own_state.items():
                 state[index] = {**own_values[index], **tensors}
-            adapter_for(optimizer).load(state, _decode(texts["param_groups"], []),
-                                        _decode(texts["attributes"], {}), own)
+            adapter_for(optimizer).load(state, optimizer_values["param_groups"],
+                                        optimizer_values["attributes"], own)
     except Exception as failure:
         error = failure
     agree(comm, error, what, fmt.CheckpointError)

@@ -2,6 +2,7 @@
 the checksums of what it read, and each reader broadcasts its datasets' raw bytes in one buffer."""
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Sequence
 
 import numpy as np
@@ -20,7 +21,7 @@ def _views(buffer: np.ndarray, layout: Sequence[tuple]) -> List[np.ndarray]:
     views, offset = [], 0
     for shape, dtype in layout:
         stored = fmt.numpy_dtype(dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * stored.itemsize
+        nbytes = math.prod(shape) * stored.itemsize
         views.append(buffer[offset:offset + nbytes].view(stored).reshape(shape))
         offset += nbytes
     return views
@@ -41,8 +42,7 @@ def read_shared(reader: Reader, names: Sequence[str], comm: MPI.Intracomm) -> Di
     error, layout, sizes, readers = None, [], [], []
     try:
         layout = [reader.describe(name) for name in names]
-        sizes = [int(np.prod(shape, dtype=np.int64)) * fmt.numpy_dtype(dtype).itemsize
-                 for shape, dtype in layout]
+        sizes = [math.prod(shape) * fmt.numpy_dtype(dtype).itemsize for shape, dtype in layout]
         readers = assign_writers(sizes, comm.Get_size())
     except Exception as failure:
         error = failure

@@ -70,7 +70,8 @@ def add_optimizer(snap: Snapshot, state: Dict[int, Dict[str, Any]], rank: int, k
                 snap.datasets.append((fmt.state_name(index, str(key), prefix), value))
             else:
                 plain[str(key)] = value
-        snap.set(fmt.state_node(index, prefix), values=values.dumps(plain))
+        if plain or not entry:      # an empty entry is still recorded
+            snap.set(fmt.state_node(index, prefix), values=values.dumps(plain))
     if rank == 0:
         snap.set("optimizer", **{"class": optimizer_class, "kind": kind,
                                  "param_groups": values.dumps(param_groups),

@@ -1,8 +1,9 @@
 """Writing a checkpoint file collectively, crash-safe.
 
 The ranks first agree on the whole layout (names, shapes, dtypes, checksums, attributes) in one
-small exchange of metadata; then every dataset is created collectively, as HDF5 requires, and
-each rank writes its own tensors straight into their datasets. Everything goes to a temporary
+small exchange of metadata; then the datasets are created collectively, as HDF5 requires (a few:
+small tensors share one per dtype, see :mod:`.catalog`), and each rank writes its own tensors
+straight into them, one write per run of neighbouring tensors. Rank 0 writes the catalog. Everything goes to a temporary
 file in the target folder, renamed over the target only after every rank has succeeded, so a
 crash or a full disk never touches the last good checkpoint.
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import h5py
 import numpy as np
@@ -23,42 +24,72 @@ from tensorplay_hpc.comm.watchdog import watched
 
 from . import files
 from . import format as fmt
+from .catalog import CATALOG, Catalog
 from .snapshot import Snapshot
 
-# (name, shape, torch dtype name, crc32)
-Layout = List[Tuple[str, Tuple[int, ...], str, int]]
+Arrays = List[Tuple[str, np.ndarray]]
+
+_RUN_BYTES = 64 << 20
 
 
-def _file_size(layout: Layout) -> int:
+def _file_size(catalog: Catalog) -> int:
     """An upper estimate of the file's size: the data plus room for HDF5's metadata."""
-    data = sum(int(np.prod(shape, dtype=np.int64)) * fmt.numpy_dtype(fmt.torch_dtype(dtype)).itemsize
-               for _, shape, dtype, _ in layout)
-    return data + (1 << 20) + 8192 * len(layout)
+    datasets = catalog.datasets
+    data = sum(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+               for shape, dtype in datasets.values())
+    return data + (1 << 20) + 8192 * len(datasets) + 256 * len(catalog.tensors)
 
 
 def parallel_available() -> bool:
     return bool(h5py.get_config().mpi)
 
 
-def _create(f: h5py.File, layout: Layout, attributes: Dict[str, dict]) -> None:
-    for name, shape, dtype, crc in layout:
-        dataset = f.create_dataset(name, shape=shape, dtype=fmt.numpy_dtype(fmt.torch_dtype(dtype)))
-        dataset.attrs["torch_dtype"] = dtype
-        dataset.attrs["crc32"] = np.uint32(crc)
-    for path, attrs in attributes.items():
-        node = f.require_group(path) if path else f
-        for key, value in attrs.items():
-            node.attrs[key] = value
+def _create(f: h5py.File, catalog: Catalog, document: np.ndarray, root_attributes: dict) -> None:
+    for name, (shape, dtype) in catalog.datasets.items():
+        f.create_dataset(name, shape=shape, dtype=dtype)
+    f.create_dataset(CATALOG, shape=document.shape, dtype=np.uint8)
+    for key, value in root_attributes.items():
+        f.attrs[key] = value
 
 
-def _write_own(f: h5py.File, arrays: List[Tuple[str, np.ndarray]]) -> None:
+def _runs(catalog: Catalog, arrays: Arrays) -> Iterator[Tuple[str, int, List[np.ndarray]]]:
+    """This rank's arrays grouped into writes: ``(dataset, offset, arrays)``, the arrays lying
+    back to back from ``offset`` (``None`` for a dataset of its own)."""
+    run: List[np.ndarray] = []
+    dataset, start, end, nbytes = "", 0, 0, 0
     for name, array in arrays:
-        if array.size:
-            f[name].write_direct(array)
+        entry = catalog.entry(name)
+        if entry.offset is None:
+            yield entry.dataset, None, [array]
+            continue
+        if run and (entry.dataset != dataset or entry.offset != end or nbytes > _RUN_BYTES):
+            yield dataset, start, run
+            run = []
+        if not run:
+            dataset, start, end, nbytes = entry.dataset, entry.offset, entry.offset, 0
+        run.append(array)
+        end += array.size
+        nbytes += array.nbytes
+    if run:
+        yield dataset, start, run
 
 
-def _write_parallel(temporary: str, layout: Layout, attributes: Dict[str, dict],
-                    arrays: List[Tuple[str, np.ndarray]], comm: MPI.Intracomm) -> Optional[Exception]:
+def _write_own(f: h5py.File, catalog: Catalog, document: np.ndarray, arrays: Arrays,
+               rank: int) -> None:
+    for dataset, offset, run in _runs(catalog, arrays):
+        if offset is None:
+            if run[0].size:
+                f[dataset].write_direct(run[0])
+            continue
+        flat = np.concatenate([array.reshape(-1) for array in run])
+        if flat.size:
+            f[dataset].write_direct(flat, dest_sel=np.s_[offset:offset + flat.size])
+    if rank == 0:
+        f[CATALOG].write_direct(document)
+
+
+def _write_parallel(temporary: str, catalog: Catalog, root_attributes: dict, arrays: Arrays,
+                    comm: MPI.Intracomm) -> Optional[Exception]:
     with watched("checkpoint file write (HDF5 mpio)", comm):
         try:
             f = h5py.File(temporary, "w", driver="mpio", comm=comm)
@@ -66,8 +97,9 @@ def _write_parallel(temporary: str, layout: Layout, attributes: Dict[str, dict],
             return error
         error = None
         try:
-            _create(f, layout, attributes)
-            _write_own(f, arrays)
+            document = catalog.to_bytes()
+            _create(f, catalog, document, root_attributes)
+            _write_own(f, catalog, document, arrays, comm.Get_rank())
         except Exception as failure:
             error = failure
         finally:
@@ -78,16 +110,17 @@ def _write_parallel(temporary: str, layout: Layout, attributes: Dict[str, dict],
     return error
 
 
-def _write_serial(temporary: str, layout: Layout, attributes: Dict[str, dict],
-                  arrays: List[Tuple[str, np.ndarray]], comm: MPI.Intracomm) -> Optional[Exception]:
+def _write_serial(temporary: str, catalog: Catalog, root_attributes: dict, arrays: Arrays,
+                  comm: MPI.Intracomm) -> Optional[Exception]:
     error = None
+    document = catalog.to_bytes() if comm.Get_rank() == 0 else np.empty(0, np.uint8)
     for turn in range(comm.Get_size()):
         if turn == comm.Get_rank():
             try:
                 with h5py.File(temporary, "w" if turn == 0 else "r+") as f:
                     if turn == 0:
-                        _create(f, layout, attributes)
-                    _write_own(f, arrays)
+                        _create(f, catalog, document, root_attributes)
+                    _write_own(f, catalog, document, arrays, turn)
             except Exception as failure:
                 error = failure
         comm.Barrier()
@@ -127,23 +160,25 @@ def write(path: str, snapshot: Snapshot, comm: MPI.Intracomm, keep: Optional[int
     if len(set(names)) != len(names):
         duplicate = next(n for n in names if names.count(n) > 1)
         raise fmt.CheckpointError(f"{what}: dataset {duplicate!r} is written by two ranks")
+    catalog = Catalog.lay_out(layout, attributes)
+    root_attributes = attributes.get("", {})
 
     temporary = comm.bcast(files.temporary_name(path) if rank == 0 else None, root=0)
     error = None
     if rank == 0:
         try:
-            files.check_space(path, _file_size(layout))
+            files.check_space(path, _file_size(catalog))
         except OSError as failure:
             error = failure
     agree(comm, error, what, fmt.CheckpointError)
     if parallel_available():
-        error = _write_parallel(temporary, layout, attributes, arrays, comm)
+        error = _write_parallel(temporary, catalog, root_attributes, arrays, comm)
     else:
         if rank == 0:
             warnings.warn("h5py was built without MPI: the checkpoint is written serially, rank "
                           "by rank (install h5py against parallel HDF5 for parallel writes)",
                           RuntimeWarning, stacklevel=3)
-        error = _write_serial(temporary, layout, attributes, arrays, comm)
+        error = _write_serial(temporary, catalog, root_attributes, arrays, comm)
     try:
         agree(comm, error, what, fmt.CheckpointError)    # every rank wrote its part...
         error = None
@@ -158,6 +193,6 @@ def write(path: str, snapshot: Snapshot, comm: MPI.Intracomm, keep: Optional[int
             files.discard(temporary)
         raise
     if keep is not None and rank == 0:
-        files.prune(os.path.dirname(path), keep)
+        files.prune(path, keep)
     comm.Barrier()
     return path

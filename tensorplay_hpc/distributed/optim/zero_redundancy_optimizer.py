@@ -148,22 +148,24 @@ def _copied(value: Any, device: torch.device) -> Any:
 
 
 class _ShardState(Mapping):
-    """This rank's local optimizer state, keyed by parameter; others' parameters read as ``{}``."""
+    """This rank's local optimizer state, keyed by parameter; others' parameters read as ``{}``.
+    Read through the local optimizer each time, whose ``load_state_dict`` replaces its dict."""
 
-    def __init__(self, local: Mapping) -> None:
-        self._local = local
+    def __init__(self, local: Optimizer) -> None:
+        self._optimizer = local
 
     def __getitem__(self, param: torch.Tensor) -> Dict[Any, Any]:
-        return self._local[param] if param in self._local else {}
+        local = self._optimizer.state
+        return local[param] if param in local else {}
 
     def __contains__(self, param: object) -> bool:
-        return param in self._local
+        return param in self._optimizer.state
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        return iter(self._local)
+        return iter(self._optimizer.state)
 
     def __len__(self) -> int:
-        return len(self._local)
+        return len(self._optimizer.state)
 
 
 class _ZeROJoinHook(JoinHook):
@@ -258,7 +260,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.optim: Optimizer = self._optimizer_class(
             [self._local_group(g) for g in range(len(self.param_groups))], **self._local_defaults)
         _copy_hyperparameters(self.optim.param_groups, self.param_groups)
-        self.state = _ShardState(self.optim.state)
+        self.state = _ShardState(self.optim)
 
     def _overlap_with(self, ddp: Any, shard_buckets: bool = False) -> DDPOverlap:
         """Take the partition from ``ddp``'s gradient buckets (``overlap_with_ddp=True``)."""
