@@ -124,3 +124,10 @@ def test_damaged_state_values_of_a_sharded_optimizer_name_the_node(folder):
         checkpoint.load(path, fresh, fresh_zero)
     messages = WORLD.allgather(str(raised.value))
     assert messages == [messages[0]] * WORLD.Get_size()
+
+
+def test_loading_the_latest_of_an_empty_folder_says_there_is_none(folder):
+    assert checkpoint.latest(folder) is None
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=r"the path is None \(checkpoint.latest\(folder\) gives None"):
+        checkpoint.load(checkpoint.latest(folder), _model())

@@ -118,3 +118,24 @@ def test_tensors_without_elements_save_and_load(folder, optimizer):
     with checkpoint.Reader(path) as reader:
         assert reader.describe("model/empty") == ((0, 4), torch.float32)
         assert reader.tensor("model/none").shape == (0,)
+
+
+def test_without_parallel_h5py_the_same_file_is_written_serially_with_the_build_command(
+        folder, monkeypatch):
+    from tensorplay_hpc.checkpoint import writer
+    monkeypatch.setattr(writer, "parallel_available", lambda: False)
+    model = torch.nn.Module()
+    model.a = _parameters(8, 20_000, seed=0)         # 80 KB each: datasets of their own
+    model.b = _parameters(30, 7, seed=1)             # small ones, packed
+    if WORLD.Get_rank() == 0:
+        with pytest.warns(RuntimeWarning, match="written serially.*CC=mpicc HDF5_MPI=ON"):
+            path = checkpoint.save(os.path.join(folder, "serial.h5"), model)
+    else:
+        path = checkpoint.save(os.path.join(folder, "serial.h5"), model)
+    other = torch.nn.Module()
+    other.a = _parameters(8, 20_000, seed=2)
+    other.b = _parameters(30, 7, seed=3)
+    checkpoint.load(path, other)
+    assert all(torch.equal(x, y) for x, y in zip(model.parameters(), other.parameters()))
+    with checkpoint.Reader(path) as reader:
+        assert reader.verify() == 38

@@ -30,6 +30,10 @@ class Reader:
     """
 
     def __init__(self, path: str) -> None:
+        if path is None:
+            raise fmt.CheckpointError("no checkpoint to read: the path is None (checkpoint."
+                                      "latest(folder) gives None for a folder without a good "
+                                      "checkpoint)")
         self.path = os.path.abspath(path)
         self.bytes_read = 0
         if not os.path.exists(self.path):

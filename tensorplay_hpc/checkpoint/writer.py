@@ -31,6 +31,12 @@ Arrays = List[Tuple[str, np.ndarray]]
 
 _RUN_BYTES = 64 << 20
 
+SERIAL_WARNING = (
+    "h5py was built without MPI: the checkpoint is written serially, rank by rank. For parallel "
+    "writes, build h5py against parallel HDF5 (see docs/install.md), e.g. on Debian: "
+    "CC=mpicc HDF5_MPI=ON HDF5_DIR=/usr/lib/x86_64-linux-gnu/hdf5/openmpi pip install "
+    "--no-binary=h5py --no-build-isolation --no-cache-dir h5py")
+
 
 def _file_size(catalog: Catalog) -> int:
     """An upper estimate of the file's size: the data plus room for HDF5's metadata."""
@@ -175,9 +181,7 @@ def write(path: str, snapshot: Snapshot, comm: MPI.Intracomm, keep: Optional[int
         error = _write_parallel(temporary, catalog, root_attributes, arrays, comm)
     else:
         if rank == 0:
-            warnings.warn("h5py was built without MPI: the checkpoint is written serially, rank "
-                          "by rank (install h5py against parallel HDF5 for parallel writes)",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(SERIAL_WARNING, RuntimeWarning, stacklevel=3)
         error = _write_serial(temporary, catalog, root_attributes, arrays, comm)
     try:
         agree(comm, error, what, fmt.CheckpointError)    # every rank wrote its part...
