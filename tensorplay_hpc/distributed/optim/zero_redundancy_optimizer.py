@@ -227,11 +227,15 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             Optimizer.__init__(self, groups, defaults)
         except Exception as failure:
             error = failure
-        self._agree("ZeroRedundancyOptimizer needs the same arguments on every rank", error, [
-            ("optimizer", f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"),
-            ("parameters_as_bucket_view", bool(parameters_as_bucket_view)),
-            ("overlap_with_ddp", bool(overlap_with_ddp))],
-            lambda: _group_items(self.param_groups, 0))
+        try:
+            self._agree("ZeroRedundancyOptimizer needs the same arguments on every rank", error, [
+                ("optimizer", f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"),
+                ("parameters_as_bucket_view", bool(parameters_as_bucket_view)),
+                ("overlap_with_ddp", bool(overlap_with_ddp))],
+                lambda: _group_items(self.param_groups, 0))
+        except Exception:
+            self._group.close()   # every rank raises: free the duplicate now, not when collected
+            raise
         Joinable.__init__(self)
         if overlap_with_ddp and parameters_as_bucket_view:
             warnings.warn("parameters_as_bucket_view=True is ignored with overlap_with_ddp=True: "
