@@ -4,6 +4,7 @@ Subcommands:
     train   train a character-level transformer data parallel over MPI, with checkpoints,
             preemption and resume (``tensorplay-hpc train --help``).
     bench   run the benchmarks (``tensorplay-hpc bench --help``).
+    checkpoint  inspect, list and convert checkpoints (``tensorplay-hpc checkpoint --help``).
     env     what this installation and launch can do (``tensorplay-hpc env --help``).
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import List, Optional
 
 import tensorplay_hpc
 from tensorplay_hpc.bench import cli as bench_cli
+from tensorplay_hpc.checkpoint import cli as checkpoint_cli
 from tensorplay_hpc.diagnostics import cli as env_cli
 from tensorplay_hpc.train import cli as train_cli
 
@@ -46,6 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     for name, module, summary in (
             ("train", train_cli, "train a character-level transformer over MPI"),
             ("bench", bench_cli, "run the benchmarks under mpiexec or srun"),
+            ("checkpoint", checkpoint_cli, "inspect, list and convert checkpoints (info, list, "
+             "export, import)"),
             ("env", env_cli, "what this installation and launch can do (for bug reports)")):
         command = commands.add_parser(name, help=summary, description=module.DESCRIPTION)
         command.add_argument("--version", action="version", version=version)

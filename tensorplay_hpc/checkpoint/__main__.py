@@ -1,6 +1,7 @@
-"""``python -m tensorplay_hpc.checkpoint info|export|import``."""
+"""``python -m tensorplay_hpc.checkpoint info|list|export|import``: the same as
+``tensorplay-hpc checkpoint``."""
 import sys
 
-from .cli import main
+from tensorplay_hpc.__main__ import main
 
-sys.exit(main())
+sys.exit(main(["checkpoint", *sys.argv[1:]]))
