@@ -6,6 +6,14 @@ gets a :class:`~.reducer.GradBucket` (``buffer()``, ``parameters()``, ``gradient
 ``index()``, ``is_last()``) and returns an object whose ``wait()`` gives the reduced flat tensor,
 or a ``torch.futures.Future`` of it; see
 :mod:`tensorplay_hpc.distributed.algorithms.ddp_comm_hooks` for the details and built-in hooks.
+
+Uneven inputs: the module is a :class:`~tensorplay_hpc.distributed.algorithms.join.Joinable`.
+Inside ``with ddp.join():`` (or ``Join([ddp, optimizer])``) a rank that ran out of inputs
+shadows the others' iterations as PyTorch's DDP does: each forward pass of a rank still training
+all-reduces whether its backward pass synchronizes (which also counts the ranks still training),
+and a joined rank answers it, then the buffer broadcast (from the highest rank still training),
+every bucket's reduction with zero gradients and the end-of-pass agreement. When all have
+joined, the parameters (and buffers) of the highest rank among the last to join are broadcast.
 """
 from __future__ import annotations
 
@@ -15,14 +23,33 @@ from typing import Any, Callable, Iterator, List, Optional
 
 import torch
 from mpi4py import MPI
+from torch.utils._pytree import tree_map
 
 from tensorplay_hpc import comm
+from tensorplay_hpc.distributed.algorithms.join import Join, Joinable, JoinHook
 
+from .arguments import check_arguments
 from .reducer import GradBucket, Reducer
 
 __all__ = ["DistributedDataParallel"]
 
-class DistributedDataParallel(torch.nn.Module):
+
+class _DDPJoinHook(JoinHook):
+    """On a rank out of inputs: shadows DDP's collectives of each iteration the others train,
+    then syncs the final model."""
+
+    def __init__(self, ddp: "DistributedDataParallel", divide_by_initial_world_size: bool) -> None:
+        self.ddp = ddp
+        ddp._divide_by_initial_world_size = divide_by_initial_world_size
+
+    def main_hook(self) -> None:
+        self.ddp._shadow_iteration()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        self.ddp._sync_final_model(is_last_joiner)
+
+
+class DistributedDataParallel(torch.nn.Module, Joinable):
     """Data parallelism over MPI, PyTorch's ``DistributedDataParallel`` for mpi4py groups.
 
     At construction, parameters and buffers are broadcast from rank 0 (one flat buffer per
@@ -30,32 +57,84 @@ class DistributedDataParallel(torch.nn.Module):
     while the rest of the backward pass runs; they are in place when ``backward()`` returns.
     Collective: construct it, run forward and backward on every rank of the group.
 
+    The arguments are PyTorch's, with its names, order and defaults:
+
     Args:
         module: the module to replicate (already on its device).
+        device_ids: ``None`` for a CPU or multi-device module; for a module on one GPU, ``None``
+            or that one device (inputs are then moved to it in ``forward``).
+        output_device: ``None``, or with ``device_ids`` a device index (outputs are not moved,
+            as in PyTorch for a single device).
+        dim: kept for compatibility (PyTorch uses it only for several devices per process).
+        broadcast_buffers: deprecated in PyTorch (a ``FutureWarning``): ``False`` syncs buffers
+            neither at construction nor before each forward pass.
+        init_sync: broadcast rank 0's parameters and buffers at construction (the model and
+            argument checks run anyway).
         process_group: the data-parallel group (``None`` is ``MPI.COMM_WORLD``).
-        bucket_cap_mb: bucket size in MiB (the first bucket is at most 1 MiB).
+        bucket_cap_mb: bucket size in MiB (``None`` is 25; the first bucket is at most 1 MiB).
         find_unused_parameters: let parameters go without a gradient in some iterations or on
             some ranks (they count as zeros; parameters unused on every rank keep their
             ``grad``). Without it, a parameter without a gradient on any rank raises the same
             ``RuntimeError`` on every rank when the backward pass ends.
-        broadcast_buffers: broadcast buffers from rank 0 before each training forward pass.
+        check_reduction: deprecated, no effect (a ``FutureWarning`` when true), as in PyTorch.
         gradient_as_bucket_view: gradients are views into the bucket buffers (fewer copies).
         static_graph: the same parameters are used in every iteration (see
             :meth:`_set_static_graph`).
+        delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision, device_mesh,
+        bucket_cap_mb_list: not supported here (``NotImplementedError``).
+        skip_all_reduce_unused_params: only ``False`` (``True`` is ``NotImplementedError``).
+        batched_grad_copy: accepted; the gradients are copied into the buckets as they arrive
+            either way.
+        forward_sync_buffers: broadcast buffers from rank 0 before each training forward pass
+            (``None``: ``broadcast_buffers``, else true); buffers are synced at construction.
 
     Raises:
+        TypeError, ValueError, RuntimeError, NotImplementedError: an argument that is wrong or
+            cannot apply here (the message names it); see :func:`.arguments.check_arguments`.
         ValueError: the ranks' models (names, shapes, dtypes, devices, ``requires_grad``) or
-            arguments differ (names the ranks and the first difference), on every rank.
+            arguments differ, or only some ranks hit one of the errors above (names the ranks
+            and the first difference), on every rank.
     """
 
-    def __init__(self, module: torch.nn.Module, process_group: Optional[MPI.Comm] = None,
-                 bucket_cap_mb: float = 25, find_unused_parameters: bool = False,
-                 broadcast_buffers: bool = True, gradient_as_bucket_view: bool = False,
-                 static_graph: bool = False) -> None:
+    def __init__(self, module: torch.nn.Module, device_ids: Optional[List[Any]] = None,
+                 output_device: Optional[Any] = None, dim: int = 0,
+                 broadcast_buffers: Optional[bool] = None, init_sync: bool = True,
+                 process_group: Optional[MPI.Intracomm] = None,
+                 bucket_cap_mb: Optional[float] = None, find_unused_parameters: bool = False,
+                 check_reduction: bool = False, gradient_as_bucket_view: bool = False,
+                 static_graph: bool = False, delay_all_reduce_named_params: Any = None,
+                 param_to_hook_all_reduce: Any = None, mixed_precision: Any = None,
+                 device_mesh: Any = None, skip_all_reduce_unused_params: bool = False,
+                 bucket_cap_mb_list: Optional[List[int]] = None, batched_grad_copy: bool = False,
+                 forward_sync_buffers: Optional[bool] = None) -> None:
         super().__init__()
-        self.module = module
+        Joinable.__init__(self)
         self.process_group = comm.resolve(process_group)
+        error = settings = None
+        try:
+            settings = check_arguments(
+                module, device_ids, output_device, dim, broadcast_buffers, init_sync,
+                process_group, bucket_cap_mb, find_unused_parameters, check_reduction,
+                gradient_as_bucket_view, static_graph, delay_all_reduce_named_params,
+                param_to_hook_all_reduce, mixed_precision, device_mesh,
+                skip_all_reduce_unused_params, bucket_cap_mb_list, batched_grad_copy,
+                forward_sync_buffers)
+        except (TypeError, ValueError, RuntimeError, NotImplementedError) as failure:
+            error = failure
         self._group = comm.ProcessGroup(self.process_group)
+        outcome = "ok" if error is None else f"{type(error).__name__}: {error}"
+        comm.check_consistent(self._group.comm, "DistributedDataParallel: the arguments", [
+            ("bucket_cap_mb", None if settings is None else settings.bucket_cap_mb),
+            ("find_unused_parameters", find_unused_parameters),
+            ("broadcast_buffers", None if settings is None else settings.forward_sync_buffers),
+            ("gradient_as_bucket_view", gradient_as_bucket_view),
+            ("static_graph", static_graph),
+            ("init_sync", init_sync),
+            ("outcome", outcome)])
+        if error is not None:
+            self._group.close()
+            raise error
+        self.module = module
         named_params = list(module.named_parameters())
         named_buffers = list(module.named_buffers())
         named = named_params + named_buffers
@@ -63,27 +142,44 @@ class DistributedDataParallel(torch.nn.Module):
         comm.check_consistent(self._group.comm, "DistributedDataParallel: the model", [
             (name, described, f"requires_grad={tensor.requires_grad}")
             for (name, described), (_, tensor) in zip(signature, named)])
-        comm.check_consistent(self._group.comm, "DistributedDataParallel: the arguments", [
-            ("bucket_cap_mb", float(bucket_cap_mb)),
-            ("find_unused_parameters", bool(find_unused_parameters)),
-            ("broadcast_buffers", bool(broadcast_buffers)),
-            ("gradient_as_bucket_view", bool(gradient_as_bucket_view)),
-            ("static_graph", bool(static_graph))])
+        self.device_ids = settings.device_ids
+        self.output_device = settings.output_device
+        self.dim = dim
+        self.device = settings.device
+        self.device_type = settings.device.type
+        self.is_multi_device_module = settings.is_multi_device_module
+        self.forward_sync_buffers = settings.forward_sync_buffers
+        self.bucket_bytes_cap = int(settings.bucket_cap_mb * 2**20)
+        self.mixed_precision = None
+        self.batched_grad_copy = batched_grad_copy
         self._buffers_to_sync = [b for _, b in named_buffers]
-        with torch.no_grad():
-            comm.broadcast_coalesced([p.detach() for _, p in named_params] + self._buffers_to_sync,
-                                     self._group.comm, root=0)
+        if init_sync:
+            initial = [p.detach() for _, p in named_params]
+            if settings.init_sync_buffers:
+                initial += self._buffers_to_sync
+            with torch.no_grad():
+                comm.broadcast_coalesced(initial, self._group.comm, root=0)
         trained = [(name, p) for name, p in named_params if p.requires_grad]
-        self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.require_backward_grad_sync = True
         self.static_graph = False
+        self._divide_by_initial_world_size = True
         self.reducer = Reducer([p for _, p in trained], [name for name, _ in trained],
-                               self._group.comm, int(bucket_cap_mb * 2**20),
+                               self._group.comm, self.bucket_bytes_cap,
                                find_unused_parameters, gradient_as_bucket_view)
         if static_graph:
             self._set_static_graph()
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        """Whether buffers are broadcast before each training forward pass (PyTorch's alias of
+        ``forward_sync_buffers``)."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
 
     def _set_static_graph(self) -> None:
         """Declare that the same parameters are used in every iteration, as PyTorch's method of
@@ -107,16 +203,96 @@ class DistributedDataParallel(torch.nn.Module):
                 stacklevel=2)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        """Run the module; prepares the gradient reduction of the next backward pass."""
+        """Run the module; prepares the gradient reduction of the next backward pass. Inside a
+        join context, tells the ranks that have joined what to shadow."""
         training = torch.is_grad_enabled()
         sync = training and self.require_backward_grad_sync
-        if sync and self.broadcast_buffers and self._buffers_to_sync:
-            with torch.no_grad():
-                comm.broadcast_coalesced(self._buffers_to_sync, self._group.comm, root=0)
+        Join.notify_join_context(self)
+        divisor = None
+        if self._join_config.enable:
+            syncing = self._count_syncing(sync)
+            if not self._divide_by_initial_world_size and sync:
+                divisor = syncing
+        if sync and self.forward_sync_buffers and self._buffers_to_sync:
+            root = self._common_rank(True) if self._join_config.enable else 0
+            self._broadcast_buffers(root)
+        if self.device_ids:
+            device = torch.device(self.device_type, self.device_ids[0])
+            inputs, kwargs = tree_map(
+                lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, (inputs, kwargs))
         output = self.module(*inputs, **kwargs)
         if training:
-            self.reducer.prepare(sync, output)
+            self.reducer.prepare(sync, output, divisor)
         return output
+
+    def _count_syncing(self, sync: bool) -> int:
+        """How many ranks synchronize gradients in this iteration (ranks that have joined
+        count 0). Collective: one allreduce of one number."""
+        flag = torch.tensor([1 if sync else 0], dtype=torch.int64)
+        comm.all_reduce(flag, self._group.comm)
+        return int(flag.item())
+
+    def _common_rank(self, candidate: bool) -> int:
+        """The highest rank among the candidates. Collective."""
+        rank = torch.tensor([self._group.rank if candidate else -1], dtype=torch.int64)
+        comm.all_reduce(rank, self._group.comm, comm.ReduceOp.MAX)
+        return int(rank.item())
+
+    def _broadcast_buffers(self, root: int) -> None:
+        with torch.no_grad():
+            comm.broadcast_coalesced(self._buffers_to_sync, self._group.comm, root=root)
+
+    def _shadow_iteration(self) -> None:
+        """On a rank that has joined: the collectives of one iteration of the ranks still
+        training (forward and, when they synchronize, backward). Collective."""
+        if self._count_syncing(False) == 0:
+            return
+        if self.forward_sync_buffers and self._buffers_to_sync:
+            self._broadcast_buffers(self._common_rank(False))
+        self.reducer.shadow_pass()
+
+    def _sync_final_model(self, is_last_joiner: bool) -> None:
+        """Broadcast the parameters (and, with ``forward_sync_buffers``, the buffers) of the
+        highest rank among the last to join. Collective."""
+        root = self._common_rank(is_last_joiner)
+        tensors = [p.detach() for p in self.module.parameters()]
+        if self.forward_sync_buffers:
+            tensors += self._buffers_to_sync
+        with torch.no_grad():
+            comm.broadcast_coalesced(tensors, self._group.comm, root=root)
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """A context manager for training with uneven inputs, as PyTorch's ``DDP.join``.
+
+        Args:
+            divide_by_initial_world_size: divide the summed gradients by the group size even
+                when some ranks have joined (each sample weighs the same); ``False`` divides
+                by the number of ranks still training (the built-in reduction only; a
+                communication hook divides as it does).
+            enable: ``False`` makes it a no-op (inputs known to be even).
+            throw_on_early_termination: raise ``RuntimeError`` on every rank as soon as one
+                runs out of inputs.
+
+        Creating it is collective over the group.
+        """
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The hook that shadows this module's collectives on a rank that has joined; reads
+        ``divide_by_initial_world_size`` (default ``True``) from ``kwargs``."""
+        return _DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        """The device of the module's parameters."""
+        return self.device
+
+    @property
+    def join_process_group(self) -> MPI.Intracomm:
+        """The data-parallel group."""
+        return self.process_group
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

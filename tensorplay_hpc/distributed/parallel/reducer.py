@@ -186,6 +186,8 @@ class Reducer:
         self._hook: Optional[Hook] = None
         self._hook_state: Any = None
         self.sync = True
+        self.divisor: Optional[int] = None   # None: the group size
+        self._shadow_buckets: Optional[List[GradBucket]] = None
         self._unused: Sequence[int] = ()
         self._used = [False] * len(self.params)   # locally, since the last synchronized pass
         self._reset()
@@ -222,14 +224,17 @@ class Reducer:
                                f"(world rank {MPI.COMM_WORLD.Get_rank()})")
         self._hook, self._hook_state = hook, state
 
-    def prepare(self, sync: bool, outputs: Any) -> None:
-        """Set up the next backward pass after a forward pass that produced ``outputs``."""
+    def prepare(self, sync: bool, outputs: Any, divisor: Optional[int] = None) -> None:
+        """Set up the next backward pass after a forward pass that produced ``outputs``;
+        the built-in reduction divides the summed gradients by ``divisor`` (``None``: the group
+        size)."""
         if self._started:
             waiting = [self.names[i] for i, ready in enumerate(self._ready) if not ready]
             raise RuntimeError(
                 "DistributedDataParallel: the previous backward pass did not finish reducing "
                 f"gradients on rank {self.comm.Get_rank()}; parameters still waiting: {waiting}")
         self.sync = sync
+        self.divisor = divisor
         self._unused = ()
         if sync and self.static_graph:
             self._unused = self._static_unused or ()
@@ -291,14 +296,39 @@ class Reducer:
         if self._hook is not None:
             return self._hook(self._hook_state, bucket)
         if self._worker is None:
-            comm.all_reduce(bucket.buffer(), self.comm, comm.ReduceOp.AVG)
+            self._reduce(bucket.buffer())
             return BucketWork(bucket.buffer())
         return self._worker.submit(bucket.buffer(), self._reduce_on_thread)
 
+    def _reduce(self, buffer: torch.Tensor) -> None:
+        if self.divisor is None:
+            # Each piece is divided right after its sum, while it is still in the cache.
+            comm.all_reduce(buffer, self.comm, comm.ReduceOp.AVG)
+        else:
+            comm.all_reduce(buffer, self.comm, comm.ReduceOp.SUM)
+            buffer.div_(self.divisor)
+
     def _reduce_on_thread(self, buffer: torch.Tensor) -> None:
         wait_for_all(self.comm)   # the late ranks' backward passes keep their cores meanwhile
-        # Each piece is divided right after its sum, while it is still in the cache.
-        comm.all_reduce(buffer, self.comm, comm.ReduceOp.AVG)
+        self._reduce(buffer)
+
+    def shadow_pass(self) -> None:
+        """On a rank that has run out of inputs: the collectives of one synchronized backward
+        pass, every bucket reduced with zero gradients (through the communication hook if one
+        is registered), then the end-of-pass agreement; the parameters' gradients are left as
+        they are. Raises the other ranks' error if their pass failed. Collective."""
+        if self._shadow_buckets is None:
+            self._shadow_buckets = [GradBucket(b.index(), b.parameters(), b.is_last())
+                                    for b in self.buckets]
+        results = []
+        for bucket in self._shadow_buckets:
+            bucket.buffer().zero_()
+            results.append(self._start(bucket))
+        for result in results:
+            _reduced_tensor(result)
+        failed, _ = self._agree_on_pass(False, [False] * len(self.params))
+        if failed:
+            comm.agree(self.comm, None, "DistributedDataParallel's backward pass")
 
     def _progress(self) -> None:
         while self._tested < len(self._results) and _done(self._results[self._tested]):
@@ -337,11 +367,13 @@ class Reducer:
             error = RuntimeError("; ".join(problems)) if problems else None
             comm.agree(self.comm, error, "DistributedDataParallel's backward pass")
 
-    def _agree_on_pass(self, problem: bool = False) -> Tuple[bool, List[bool]]:
+    def _agree_on_pass(self, problem: bool = False,
+                       used: Optional[Sequence[bool]] = None) -> Tuple[bool, List[bool]]:
         """Whether any rank had a ``problem`` in this pass, and which parameters had a gradient
-        on some rank (since the last synchronized pass). Collective: one allreduce of
-        ``1 + len(params)`` bytes."""
-        flags = torch.tensor([problem, *self._used], dtype=torch.bool)
+        on some rank (``used`` here, by default those used since the last synchronized pass).
+        Collective: one allreduce of ``1 + len(params)`` bytes."""
+        used = self._used if used is None else used
+        flags = torch.tensor([problem, *used], dtype=torch.bool)
         comm.all_reduce(flags, self.comm, comm.ReduceOp.MAX)
         values = flags.tolist()
         return values[0], values[1:]
