@@ -49,7 +49,7 @@ def _devices(device_ids: Any, output_device: Any, parameters: List[torch.nn.Para
     multi_device = len(devices) > 1
     device = parameters[0].device
     if not device_ids or device.type == "cpu" or multi_device:
-        if device_ids or output_device is not None:
+        if device_ids or output_device:   # as PyTorch: output_device=0 passes
             raise ValueError(
                 "DistributedDataParallel device_ids and output_device arguments only work with "
                 "single-device/multiple-device GPU modules or CPU modules, but got device_ids "

@@ -124,13 +124,13 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self._group = comm.ProcessGroup(self.process_group)
         outcome = "ok" if error is None else f"{type(error).__name__}: {error}"
         comm.check_consistent(self._group.comm, "DistributedDataParallel: the arguments", [
+            ("outcome", outcome),
             ("bucket_cap_mb", None if settings is None else settings.bucket_cap_mb),
             ("find_unused_parameters", find_unused_parameters),
             ("broadcast_buffers", None if settings is None else settings.forward_sync_buffers),
             ("gradient_as_bucket_view", gradient_as_bucket_view),
             ("static_graph", static_graph),
-            ("init_sync", init_sync),
-            ("outcome", outcome)])
+            ("init_sync", init_sync)])
         if error is not None:
             self._group.close()
             raise error
