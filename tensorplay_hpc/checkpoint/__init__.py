@@ -4,7 +4,7 @@ once, loadable at any world size. See ``docs/checkpoints.md`` for the file forma
     checkpoint.save(path, model=model, optimizer=optimizer, extra={"step": step})
     extra = checkpoint.load(path, model=model, optimizer=optimizer)
 
-``python -m tensorplay_hpc.checkpoint info|export|import`` inspects and converts files.
+``tensorplay-hpc checkpoint info|list|export|import`` inspects, lists and converts files.
 """
 from __future__ import annotations
 
