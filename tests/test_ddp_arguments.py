@@ -52,6 +52,7 @@ def test_accepted_arguments(world):
     assert ddp.dim == 1 and ddp.bucket_bytes_cap == 2**20 and ddp.batched_grad_copy
     ddp(torch.ones(3, 4)).sum().backward()
     assert DistributedDataParallel(_model(), device_ids=[]).device_ids is None   # as PyTorch
+    assert DistributedDataParallel(_model(), static_graph=True).static_graph is True
 
 
 def _first_weight_everywhere(world, ddp):
@@ -95,6 +96,11 @@ def test_broadcast_buffers_false_warns_and_syncs_no_buffers(world):
 @pytest.mark.mpi(min_size=2)
 def test_forward_sync_buffers_false_syncs_at_init_only(world):
     rank = world.Get_rank()
+    default = DistributedDataParallel(_local_buffers(rank))   # synced before each forward
+    default.module[1].running_mean.fill_(float(rank))
+    default.eval()
+    default(torch.ones(3, 4)).sum().backward()
+    assert default.module[1].running_mean.tolist() == [0.0] * 8
     ddp = DistributedDataParallel(_local_buffers(rank), forward_sync_buffers=False)
     assert ddp.module[1].running_mean.tolist() == [0.0] * 8   # rank 0's, at init
     ddp.module[1].running_mean.fill_(float(rank))
@@ -105,24 +111,10 @@ def test_forward_sync_buffers_false_syncs_at_init_only(world):
         DistributedDataParallel(_model(), broadcast_buffers=True, forward_sync_buffers=True)
 
 
-@pytest.mark.mpi(min_size=2)
-def test_buffers_synced_before_each_training_forward_by_default(world):
-    rank = world.Get_rank()
-    ddp = DistributedDataParallel(_local_buffers(rank))
-    ddp.module[1].running_mean.fill_(float(rank))
-    ddp.eval()
-    ddp(torch.ones(3, 4)).sum().backward()
-    assert ddp.module[1].running_mean.tolist() == [0.0] * 8
-
-
 def test_check_reduction_warns_as_pytorch(world):
     with pytest.warns(FutureWarning, match=r"The `check_reduction` argument in "
                                            r"`DistributedDataParallel` module is deprecated"):
         DistributedDataParallel(_model(), check_reduction=True)
-
-
-def test_static_graph_argument(world):
-    assert DistributedDataParallel(_model(), static_graph=True).static_graph is True
 
 
 class _Mesh:

@@ -5,8 +5,13 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+    allreduce_hook as torch_allreduce_hook,
+)
 
-from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+    allreduce_hook,
+)
 from tensorplay_hpc.distributed.algorithms.join import Join, Joinable
 from tensorplay_hpc.distributed.optim import ZeroRedundancyOptimizer
 from tensorplay_hpc.distributed.parallel import DistributedDataParallel
@@ -46,8 +51,8 @@ def _assert_same(ours, theirs):
 
 def _assert_same_on_every_rank(world, model, parameters_only=False):
     """After a join, parameters and buffers are the last joiner's everywhere."""
-    mine = [p.detach() for p in model.parameters()] if parameters_only else _state(model)
-    for mine, first in zip(mine, world.bcast(mine, root=0)):
+    tensors = [p.detach() for p in model.parameters()] if parameters_only else _state(model)
+    for mine, first in zip(tensors, world.bcast(tensors, root=0)):
         torch.testing.assert_close(mine, first, rtol=0, atol=0)
 
 
@@ -72,8 +77,6 @@ def test_uneven_inputs_match_torch_ddp_join(world, gloo, divide_by_initial_world
         gradient_as_bucket_view=variant == "bucket_view")
     if variant == "allreduce_hook":
         ours.register_comm_hook(None, allreduce_hook)
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
-            allreduce_hook as torch_allreduce_hook)
         theirs.register_comm_hook(None, torch_allreduce_hook)
     assert len(ours.buckets) > 1
     for model in (ours, theirs):
