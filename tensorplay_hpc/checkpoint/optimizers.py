@@ -119,6 +119,12 @@ class ZeroAdapter(OptimizerAdapter):
     def indices_to_read(self, rank: int) -> Optional[List[int]]:
         return [i for i, owner in enumerate(self.optimizer.partition.rank_of) if owner == rank]
 
+    def load(self, state: State, param_groups: List[Dict[str, Any]], attributes: Dict[str, Any],
+             tensors: Dict[str, torch.Tensor]) -> None:
+        # The state was read from the file for this optimizer alone: kept, not copied again.
+        self.optimizer._load_state_dict({"state": state, "param_groups": param_groups},
+                                        copies=False)
+
 
 class PostLocalSGDAdapter(OptimizerAdapter):
     kind = "post_local_sgd"

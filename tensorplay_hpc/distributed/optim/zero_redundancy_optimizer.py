@@ -37,7 +37,9 @@ Internal API, for checkpointing (stable within this package):
 - ``zero.local_state_by_index()``: this rank's local optimizer state as
   ``{global index: {key: value}}`` (live objects, not copies);
 - ``zero.load_state_dict`` reads only the ``state`` entries of the parameters this rank owns,
-  so a dict holding just those (and all ``param_groups``) is enough to restore a shard.
+  so a dict holding just those (and all ``param_groups``) is enough to restore a shard;
+  ``zero._load_state_dict(state_dict, copies=False)`` keeps the given tensors instead of copies
+  (for state read from a file for this optimizer alone).
 """
 from __future__ import annotations
 
@@ -500,6 +502,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             ValueError: on every rank, if the numbers of groups or of parameters in a group differ
                 from the optimizer's, or the ranks' param groups differ.
         """
+        self._load_state_dict(state_dict, copies=True)
+
+    def _load_state_dict(self, state_dict: Dict[str, Any], copies: bool) -> None:
         self._require_local_optimizer("load_state_dict()")
         error, saved_groups, local = None, [], {}
         try:
@@ -509,7 +514,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 if result is not None:
                     state_dict = result
             saved_groups = state_dict["param_groups"]
-            local = self._local_state_dict(saved_groups, state_dict["state"])
+            local = self._local_state_dict(saved_groups, state_dict["state"], copies)
         except Exception as failure:
             error = failure
         self._agree("ZeroRedundancyOptimizer.load_state_dict needs a state dict that fits every "
@@ -522,10 +527,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
-    def _local_state_dict(self, saved_groups: List[Dict[str, Any]],
-                          saved_state: Mapping) -> Dict[str, Any]:
+    def _local_state_dict(self, saved_groups: List[Dict[str, Any]], saved_state: Mapping,
+                          copies: bool) -> Dict[str, Any]:
         """The local optimizer's part of a whole state dict: the parameters this rank owns,
-        numbered as the local optimizer holds them, with copies of their state."""
+        numbered as the local optimizer holds them, with their state (copies, if ``copies``)."""
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, the "
                              f"optimizer {len(self.param_groups)}")
@@ -545,8 +550,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             for index in owned:
                 if saved_ids[index] in saved_state:
                     device = self.params_by_index[index].device
-                    local_state[local_id] = {key: _copied(value, device) for key, value
-                                             in saved_state[saved_ids[index]].items()}
+                    values = saved_state[saved_ids[index]]
+                    local_state[local_id] = ({key: _copied(value, device)
+                                              for key, value in values.items()}
+                                             if copies else dict(values))
                 local_id += 1
         return {"state": local_state, "param_groups": local_groups}
 
