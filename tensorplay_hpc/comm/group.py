@@ -50,9 +50,18 @@ def live_groups() -> list:
 
 
 def _free(comm: MPI.Comm) -> None:
+    """Stop watching ``comm`` and free it. Collective."""
     if not MPI.Is_finalized() and comm != MPI.COMM_NULL:
         watchdog.unregister(comm)
         comm.Free()
+
+
+def _forget(comm: MPI.Comm) -> None:
+    """Stop watching ``comm`` without freeing it: ``MPI_Finalize`` does. Local, for a group
+    collected without :meth:`ProcessGroup.close`: ranks collect an object at different moments,
+    and a free is collective (Open MPI's can wait for the other ranks, so a free at collection
+    time can deadlock against a collective running on another rank)."""
+    watchdog.forget(comm)
 
 
 class ProcessGroup:
@@ -60,8 +69,9 @@ class ProcessGroup:
     the user's own messages. Collective: construct it on every rank of the group. When the
     :mod:`.watchdog` is on, its collectives are watched.
 
-    The duplicate is freed by :meth:`close`, or when the object is collected; :attr:`comm`
-    raises ``RuntimeError`` after :meth:`close`.
+    The duplicate is freed by :meth:`close`; a group collected without it keeps its duplicate
+    until ``MPI_Finalize`` (see :func:`_forget`). :attr:`comm` raises ``RuntimeError`` after
+    :meth:`close`.
     """
 
     def __init__(self, process_group: Optional[MPI.Comm] = None) -> None:
@@ -75,7 +85,7 @@ class ProcessGroup:
         self.size: int = self._comm.Get_size()
         watchdog.register(self._comm, self._describe())
         _live.add(self)
-        self._finalizer = weakref.finalize(self, _free, self._comm)
+        self._finalizer = weakref.finalize(self, _forget, self._comm)
 
     @property
     def comm(self) -> MPI.Intracomm:
@@ -97,7 +107,8 @@ class ProcessGroup:
 
     def close(self) -> None:
         """Free the private communicator. Collective; closing again does nothing."""
-        self._finalizer()
+        if self._finalizer.detach() is not None:
+            _free(self._comm)
 
     def __repr__(self) -> str:
         state = ", closed" if self.closed else ""

@@ -203,6 +203,12 @@ def unregister(comm: MPI.Intracomm) -> None:
             counter.free()
 
 
+def forget(comm: MPI.Intracomm) -> None:
+    """Stop watching ``comm``, leaving its private duplicate to ``MPI_Finalize``. Local: safe
+    where ranks are not in step (an object's collection); takes no lock."""
+    _counters.pop(comm.handle, None)
+
+
 _UNWATCHED = nullcontext()
 
 

@@ -236,7 +236,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 ("overlap_with_ddp", bool(overlap_with_ddp))],
                 lambda: _group_items(self.param_groups, 0))
         except Exception:
-            self._group.close()   # every rank raises: free the duplicate now, not when collected
+            self._group.close()   # every rank raises: free the duplicate now
             raise
         Joinable.__init__(self)
         if overlap_with_ddp and parameters_as_bucket_view:
