@@ -41,6 +41,13 @@ def world():
     return WORLD
 
 
+@pytest.fixture
+def folder(tmp_path_factory):
+    """One new folder shared by every rank (rank 0 makes it)."""
+    path = str(tmp_path_factory.mktemp("shared")) if WORLD.Get_rank() == 0 else None
+    return WORLD.bcast(path, root=0)
+
+
 @pytest.fixture(scope="session")
 def gloo():
     """torch.distributed over gloo on the same ranks, for side-by-side parity checks."""

@@ -19,13 +19,6 @@ from tensorplay_hpc.distributed.parallel import DistributedDataParallel
 WORLD = MPI.COMM_WORLD
 
 
-@pytest.fixture
-def folder(tmp_path_factory):
-    """One folder shared by every rank (rank 0 makes it)."""
-    path = str(tmp_path_factory.mktemp("ckpt")) if WORLD.Get_rank() == 0 else None
-    return WORLD.bcast(path, root=0)
-
-
 def make_model(seed=0):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.BatchNorm1d(10),

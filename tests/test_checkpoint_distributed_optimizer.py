@@ -17,13 +17,6 @@ ADAM = dict(lr=0.01, amsgrad=True)
 SAVED_AT, STEPS = 3, 6
 
 
-@pytest.fixture
-def folder(tmp_path_factory):
-    """One folder shared by every rank (rank 0 makes it)."""
-    path = str(tmp_path_factory.mktemp("ckpt")) if WORLD.Get_rank() == 0 else None
-    return WORLD.bcast(path, root=0)
-
-
 @pytest.fixture(params=["auto", "mpi", "served"])
 def windows(request, monkeypatch):
     """Windows of the transport the ranks' capabilities give (shared memory on one node), from

@@ -16,12 +16,6 @@ from tensorplay_hpc.distributed.optim import ZeroRedundancyOptimizer
 WORLD = MPI.COMM_WORLD
 
 
-@pytest.fixture
-def folder(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("meta")) if WORLD.Get_rank() == 0 else None
-    return WORLD.bcast(path, root=0)
-
-
 def _model(seed=0):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))

@@ -16,13 +16,6 @@ WORLD = MPI.COMM_WORLD
 RANK = WORLD.Get_rank()
 
 
-@pytest.fixture
-def folder(tmp_path_factory):
-    """One folder shared by every rank (rank 0 makes it)."""
-    path = str(tmp_path_factory.mktemp("prune")) if RANK == 0 else None
-    return WORLD.bcast(path, root=0)
-
-
 def model():
     torch.manual_seed(0)
     return torch.nn.Linear(40, 30)

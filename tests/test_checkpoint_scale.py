@@ -14,12 +14,6 @@ from tensorplay_hpc.distributed.parallel import DistributedDataParallel
 WORLD = MPI.COMM_WORLD
 
 
-@pytest.fixture
-def folder(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("scale")) if WORLD.Get_rank() == 0 else None
-    return WORLD.bcast(path, root=0)
-
-
 def _parameters(count, numel, seed):
     generator = torch.Generator().manual_seed(seed)
     return torch.nn.ParameterList(torch.nn.Parameter(torch.randn(numel, generator=generator))

@@ -8,6 +8,8 @@ from tensorplay_hpc.distributed import autograd, rma
 from tensorplay_hpc.distributed.optim import DistributedOptimizer
 from tensorplay_hpc.distributed.optim.distributed_optimizer import DIRECT_ENV
 
+from optimizer_classes import NOT_OPTIMIZER_CLASSES, not_an_optimizer_class
+
 
 class CannotStep(torch.optim.SGD):
     """SGD whose step always fails."""
@@ -69,24 +71,9 @@ def test_an_optimizer_that_fails_only_on_a_zero_dummy_changes_nothing(world):
     assert torch.equal(after, torch.ones(3))
 
 
-def _not_an_optimizer_class(kind):
-    if kind == "string":
-        return "torch.optim.SGD"
-    if kind == "function":
-        return lambda params, **kwargs: torch.optim.SGD(params, **kwargs)
-    if kind == "instance":
-        return torch.optim.SGD([torch.ones(1, requires_grad=True)], lr=0.1)
-    return dict
-
-
-@pytest.mark.parametrize("kind, match", [
-    ("string", "got the string 'torch.optim.SGD'"),
-    ("function", "got <function .* of type function"),
-    ("instance", "got an instance of SGD; pass the class itself"),
-    ("class", "got the class dict, which is not an Optimizer subclass"),
-])
+@pytest.mark.parametrize("kind, match", NOT_OPTIMIZER_CLASSES)
 def test_optimizer_class_must_be_an_optimizer_subclass(world, kind, match):
-    optimizer_class = _not_an_optimizer_class(kind)
+    optimizer_class = not_an_optimizer_class(kind)
     with rma.share([torch.ones(2, requires_grad=True)]) as shared:
         with pytest.raises(TypeError, match=rf"^DistributedOptimizer: optimizer_class must be a "
                                             rf"torch.optim.Optimizer subclass, {match}"):

@@ -7,6 +7,8 @@ import torch
 
 from tensorplay_hpc.distributed.optim import ZeroRedundancyOptimizer
 
+from optimizer_classes import NOT_OPTIMIZER_CLASSES, not_an_optimizer_class
+
 
 def _params(count=4):
     """Parameters of 3, 4, 5... elements, the same on every rank."""
@@ -268,24 +270,9 @@ def test_load_state_dict_differs_between_ranks(world):
 
 # -- optimizer_class -------------------------------------------------------------------------
 
-def _not_an_optimizer_class(kind):
-    if kind == "string":
-        return "torch.optim.SGD"
-    if kind == "function":
-        return lambda params, **kwargs: torch.optim.SGD(params, **kwargs)
-    if kind == "instance":
-        return torch.optim.SGD([torch.ones(1, requires_grad=True)], lr=0.1)
-    return dict
-
-
-@pytest.mark.parametrize("kind, match", [
-    ("string", "got the string 'torch.optim.SGD'"),
-    ("function", "got <function .* of type function"),
-    ("instance", "got an instance of SGD; pass the class itself"),
-    ("class", "got the class dict, which is not an Optimizer subclass"),
-])
+@pytest.mark.parametrize("kind, match", NOT_OPTIMIZER_CLASSES)
 def test_optimizer_class_must_be_an_optimizer_subclass(world, kind, match):
-    optimizer_class = _not_an_optimizer_class(kind)
+    optimizer_class = not_an_optimizer_class(kind)
     with pytest.raises(TypeError, match=rf"ZeroRedundancyOptimizer: optimizer_class must be a "
                                         rf"torch.optim.Optimizer subclass, {match}"):
         ZeroRedundancyOptimizer(_params(), optimizer_class, lr=0.1)
