@@ -65,12 +65,14 @@ if [ ! -x "$py" ]; then
     python3 -m venv "$venv"
 fi
 
-if ! "$py" -c "import torch, mpi4py, numpy, pytest, pytest_mpi, pytest_timeout, tqdm, matplotlib, mkdocs" \
-        >/dev/null 2>&1; then
-    log "installing torch, mpi4py, numpy, the training job's tqdm and matplotlib, the test tools and mkdocs"
+if ! "$py" -c "import torch, mpi4py, numpy, pytest, pytest_mpi, pytest_timeout, tqdm, matplotlib, \
+mkdocs, mkdocstrings_handlers.python" >/dev/null 2>&1; then
+    log "installing torch, mpi4py, numpy, the training job's tqdm and matplotlib, the test tools" \
+        "and mkdocs with mkdocstrings"
     "$py" -m pip install -q --upgrade pip
     "$py" -m pip install -q "torch==2.13.0" "mpi4py>=4" numpy tqdm matplotlib mkdocs \
-        pytest pytest-mpi pytest-timeout cython pkgconfig setuptools wheel
+        mkdocstrings mkdocstrings-python pytest pytest-mpi pytest-timeout cython pkgconfig \
+        setuptools wheel
 fi
 
 # 3. h5py against parallel HDF5 (no build isolation: it would compile another mpi4py). The

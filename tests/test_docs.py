@@ -3,6 +3,7 @@ shell commands with the virtual environment on PATH, each page's blocks in order
 their own; blocks that are not run say why on the page (see doc_blocks.py)."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 
 import tensorplay_hpc
 from doc_blocks import pages, plan
-from launch import ONLY_UNDER_ONE_RANK, clean_env, mpiexec_command, single_rank
+from launch import ONLY_UNDER_ONE_RANK, REPO, clean_env, mpiexec_command, single_rank
 
 pytestmark = pytest.mark.skipif(not single_rank(), reason=ONLY_UNDER_ONE_RANK)
 RANKS = 2
@@ -81,3 +82,31 @@ def test_page_blocks_run_as_written(page, tmp_path):
             output += result.stdout
     if page in RESULTS:
         RESULTS[page](tmp_path, output)
+
+
+REFERENCE_PAGES = {"checkpoint", "comm", "model-averaging", "optim", "parallel", "rma"}
+OPTIM = "tensorplay_hpc.distributed.optim"
+
+
+def test_api_reference_builds_and_its_sphinx_roles_become_links_or_code(tmp_path):
+    site = tmp_path / "site"
+    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet",
+                             "--site-dir", str(site)], cwd=REPO, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    pages = {page.parent.name: page.read_text()
+             for page in (site / "reference").glob("*/index.html")}
+    assert set(pages) == REFERENCE_PAGES
+    raw = {name: sorted(set(re.findall(r":(?:class|func|meth|mod|attr|data|exc|obj):", text)))
+           for name, text in pages.items()}
+    assert not any(raw.values()), raw
+    optim = pages["optim"]
+    assert f'id="{OPTIM}.zero_redundancy_optimizer.ZeroRedundancyOptimizer"' in optim
+    # A role naming an object of the reference links to its entry, on its page or another...
+    step = f"{OPTIM}.post_localSGD_optimizer.PostLocalSGDOptimizer.step"
+    assert re.search(rf'<a [^>]*href="#{re.escape(step)}"[^>]*><code>step\(\)</code></a>', optim)
+    averager = "tensorplay_hpc.distributed.algorithms.model_averaging.averagers.ModelAverager"
+    assert f'href="../model-averaging/#{averager}"' in optim
+    # ...and one naming an object the reference leaves out is inline code.
+    assert f'<span title="{OPTIM}.ddp_overlap"><code>ddp_overlap</code></span>' in optim
+    assert "Example::" not in optim
