@@ -11,6 +11,8 @@
 - :mod:`.agreement` turns a failure on one rank into the same error on all;
 - :mod:`.consistency`, :mod:`.watchdog` and :mod:`.abort` keep a diverging rank from hanging
   the others;
+- :mod:`.trace` records every collective and one-sided operation (the last few always, for
+  the watchdog's report; all of them as a Chrome trace when asked);
 - :mod:`.node_layout` tells which ranks share a node, and forms groups that follow the nodes;
 - :mod:`.cuda` decides how GPU memory reaches MPI and which GPU a rank uses;
 - :mod:`.capabilities` says what MPI can do between a communicator's ranks (thread level, one

@@ -12,6 +12,7 @@ from typing import List, Optional, Sequence
 import torch
 from mpi4py import MPI
 
+from . import trace
 from .chunking import chunk_elements, chunks, piece_elements
 from .consistency import check_collective
 from .dtypes import ReduceOp, reduce_dtype, reduce_op
@@ -54,7 +55,8 @@ def all_reduce(tensor: torch.Tensor, comm: MPI.Intracomm, op: ReduceOp = ReduceO
     flat = staged.work.view(-1)
     check_collective(comm, "all_reduce", count=staged.count, dtype=str(tensor.dtype), op=op.name)
     requests = []
-    with watched("all_reduce", comm):
+    record = trace.collective("all_reduce", comm, tensor.nbytes, async_op)
+    with watched("all_reduce", comm), record:
         if async_op:
             for start, n in chunks(staged.count):
                 requests.append(comm.Iallreduce(MPI.IN_PLACE, staged.buf(start, n), mpi_op))
@@ -68,7 +70,8 @@ def all_reduce(tensor: torch.Tensor, comm: MPI.Intracomm, op: ReduceOp = ReduceO
         if op is ReduceOp.AVG and async_op:
             flat.div_(size)
         staged.finish()
-    return complete(requests, finish, async_op, operation="all_reduce", comm=comm)
+    return complete(requests, finish, async_op, operation="all_reduce", comm=comm,
+                    record=record)
 
 
 def broadcast(tensor: torch.Tensor, comm: MPI.Intracomm, root: int = 0,
@@ -77,13 +80,15 @@ def broadcast(tensor: torch.Tensor, comm: MPI.Intracomm, root: int = 0,
     staged = Staged(tensor, copy_in=comm.Get_rank() == root)
     check_collective(comm, "broadcast", count=staged.count, dtype=str(tensor.dtype), root=root)
     requests = []
-    with watched("broadcast", comm):
+    record = trace.collective("broadcast", comm, tensor.nbytes, async_op)
+    with watched("broadcast", comm), record:
         for start, n in chunks(staged.count):
             if async_op:
                 requests.append(comm.Ibcast(staged.buf(start, n), root))
             else:
                 comm.Bcast(staged.buf(start, n), root)
-    return complete(requests, staged.finish, async_op, operation="broadcast", comm=comm)
+    return complete(requests, staged.finish, async_op, operation="broadcast", comm=comm,
+                    record=record)
 
 
 def all_gather_v(output: torch.Tensor, counts: Sequence[int], comm: MPI.Intracomm,
@@ -108,7 +113,8 @@ def all_gather_v(output: torch.Tensor, counts: Sequence[int], comm: MPI.Intracom
         staged.work.view(-1)[displs[rank]:displs[rank] + counts[rank]].copy_(input.reshape(-1))
     check_collective(comm, "all_gather_v", counts=counts, dtype=str(output.dtype))
     requests = []
-    with watched("all_gather_v", comm):
+    record = trace.collective("all_gather_v", comm, output.nbytes, async_op)
+    with watched("all_gather_v", comm), record:
         if staged.count <= chunk_elements():
             spec = [staged.buf()[0], (counts, displs), staged.datatype]
             if async_op:
@@ -123,7 +129,8 @@ def all_gather_v(output: torch.Tensor, counts: Sequence[int], comm: MPI.Intracom
                         requests.append(comm.Ibcast(buf, owner))
                     else:
                         comm.Bcast(buf, owner)
-    return complete(requests, staged.finish, async_op, operation="all_gather_v", comm=comm)
+    return complete(requests, staged.finish, async_op, operation="all_gather_v", comm=comm,
+                    record=record)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, comm: MPI.Intracomm,
@@ -140,12 +147,14 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, comm: MPI.Intracomm,
     spec = [recv.buf()[0], input.numel(), recv.datatype]  # the count is per rank
     check_collective(comm, "all_gather", count=input.numel(), dtype=str(input.dtype))
     requests = []
-    with watched("all_gather", comm):
+    record = trace.collective("all_gather", comm, output.nbytes, async_op)
+    with watched("all_gather", comm), record:
         if async_op:
             requests.append(comm.Iallgather(send.buf(), spec))
         else:
             comm.Allgather(send.buf(), spec)
-    return complete(requests, recv.finish, async_op, keep=[send], operation="all_gather", comm=comm)
+    return complete(requests, recv.finish, async_op, keep=[send], operation="all_gather",
+                    comm=comm, record=record)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, comm: MPI.Intracomm,
@@ -169,7 +178,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, comm: MPI.Intracom
     mpi_op = reduce_op(send.work.dtype, op)
     check_collective(comm, "reduce_scatter", counts=counts, dtype=str(input.dtype), op=op.name)
     requests = []
-    with watched("reduce_scatter", comm):
+    record = trace.collective("reduce_scatter", comm, input.nbytes, async_op)
+    with watched("reduce_scatter", comm), record:
         if send.count <= chunk_elements():
             if async_op:
                 requests.append(comm.Ireduce_scatter(send.buf(), recv.buf(), counts, mpi_op))
@@ -190,7 +200,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, comm: MPI.Intracom
         if op is ReduceOp.AVG:
             recv.work.div_(size)
         recv.finish()
-    return complete(requests, finish, async_op, keep=[send], operation="reduce_scatter", comm=comm)
+    return complete(requests, finish, async_op, keep=[send], operation="reduce_scatter",
+                    comm=comm, record=record)
 
 
 def gather(input: torch.Tensor, comm: MPI.Intracomm, root: int = 0,
@@ -214,7 +225,8 @@ def gather(input: torch.Tensor, comm: MPI.Intracomm, root: int = 0,
         recv = Staged(torch.empty(sum(counts), dtype=input.dtype, device=input.device),
                       copy_in=False)
     check_collective(comm, "gather", counts=counts, dtype=str(input.dtype), root=root)
-    with watched("gather", comm):
+    record = trace.collective("gather", comm, input.nbytes)
+    with watched("gather", comm), record:
         if sum(counts) <= chunk_elements():
             spec = [recv.buf()[0], (counts, displs), recv.datatype] if recv else None
             comm.Gatherv(send.buf(), spec, root)

@@ -83,6 +83,8 @@ class ProcessGroup:
         self._comm: MPI.Intracomm = self.parent.Dup()
         self.rank: int = self._comm.Get_rank()
         self.size: int = self._comm.Get_size()
+        self._comm.Set_name(f"{self.parent.Get_name() or 'unnamed'} (private duplicate) of "
+                            f"{self.size} ranks")   # as traces and reports name it
         watchdog.register(self._comm, self._describe())
         _live.add(self)
         self._finalizer = weakref.finalize(self, _forget, self._comm)

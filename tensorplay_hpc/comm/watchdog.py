@@ -8,6 +8,8 @@ collectives against the timeout and, on a private duplicate of each watched comm
 answers other ranks' queries for its count (point-to-point messages of one integer, polled a
 few times a second). When a collective stalls, the stalled rank asks every rank for its count,
 with a bounded wait, and names the ranks whose count is behind and those that did not answer.
+Every rank asked, and the stalled one, print their last operations (:mod:`.trace`): which
+collective, or which compute span of the training job, each rank was in.
 
 Asking needs ``MPI_THREAD_MULTIPLE`` (the thread talks while the main thread is inside the
 collective). Below it the watchdog still aborts on time, but says that the late ranks cannot be
@@ -26,6 +28,7 @@ from typing import ContextManager, Dict, List, Optional, Set, Tuple
 import numpy as np
 from mpi4py import MPI
 
+from . import trace
 from .capabilities import thread_level_name, thread_levels
 
 TIMEOUT_ENV = "TENSORPLAY_HPC_COLLECTIVE_TIMEOUT"
@@ -76,6 +79,9 @@ class ArrivalCounter:
             source = status.Get_source()
             self.queries.Recv(self._query, source, _QUERY)
             self._send(source, _ANSWER)
+            _say(f"asked by rank {source} of communicator {self.name} about a stalled "
+                 f"collective; this rank has entered {self.count} collectives there. Its last "
+                 f"operations, oldest first:\n{trace.describe_recent()}")
 
     def _send(self, rank: int, tag: int) -> None:
         """Send this rank's count without waiting (the buffer is kept until it has gone)."""
@@ -163,13 +169,18 @@ def _report_and_abort(watch: _Watch, limit: float) -> None:
         silent = [r for r, c in enumerate(counts) if c is None]
         ranks = (f"ranks not arrived: {missing or 'none'}"
                  + (f"; ranks not answering: {silent}" if silent else ""))
-    sys.stderr.write(
-        f"[rank {MPI.COMM_WORLD.Get_rank()}] collective timeout: {watch.operation} (collective "
-        f"#{watch.number}) on communicator {counter.name} of {counter.comm.Get_size()} ranks has "
-        f"waited {time.monotonic() - watch.started:.0f} s (limit {limit:g} s); {ranks}. "
-        "Aborting the job.\n")
-    sys.stderr.flush()
+    _say(f"collective timeout: {watch.operation} (collective #{watch.number}) on communicator "
+         f"{counter.name} of {counter.comm.Get_size()} ranks has waited "
+         f"{time.monotonic() - watch.started:.0f} s (limit {limit:g} s); {ranks}. Aborting the "
+         f"job. This rank's last operations, oldest first:\n{trace.describe_recent()}")
     MPI.COMM_WORLD.Abort(3)
+
+
+def _say(text: str) -> None:
+    """Write ``text`` to standard error at once, each line after this rank's number."""
+    prefix = f"[rank {MPI.COMM_WORLD.Get_rank()}] "
+    sys.stderr.write("".join(prefix + line + "\n" for line in text.rstrip("\n").split("\n")))
+    sys.stderr.flush()
 
 
 def _stop_thread() -> None:

@@ -5,6 +5,7 @@ from typing import Callable, List, Optional, Sequence
 
 from mpi4py import MPI
 
+from .trace import Operation
 from .watchdog import watched
 
 
@@ -14,15 +15,19 @@ class Work:
 
     def __init__(self, requests: Sequence[MPI.Request] = (),
                  then: Optional[Callable[[], object]] = None, keep: Sequence[object] = (),
-                 operation: str = "", comm: Optional[MPI.Intracomm] = None) -> None:
+                 operation: str = "", comm: Optional[MPI.Intracomm] = None,
+                 record: Optional[Operation] = None) -> None:
         self._requests: List[MPI.Request] = list(requests)
         self._then = then
         self._keep = list(keep)   # buffers MPI may still read: alive until completion
         self._done = False
         self._watch = (operation, comm)
+        self._record = record   # the trace's entry, ended on completion
 
     def _complete(self) -> None:
         self._done = True
+        if self._record is not None:
+            self._record.finish()
         self._keep = []
         if self._then is not None:
             then, self._then = self._then, None
@@ -60,11 +65,12 @@ class Work:
 
 def complete(requests: List[MPI.Request], then: Callable[[], object], async_op: bool,
              keep: Sequence[object] = (), operation: str = "",
-             comm: Optional[MPI.Intracomm] = None) -> Optional[Work]:
+             comm: Optional[MPI.Intracomm] = None,
+             record: Optional[Operation] = None) -> Optional[Work]:
     """Return a handle for an asynchronous call, or finish a blocking one now. ``keep`` holds
     the buffers that MPI reads until the requests complete; ``operation`` on ``comm`` is what
-    the watchdog reports if the wait stalls."""
+    the watchdog reports if the wait stalls; ``record``, the trace's entry, ends on completion."""
     if not async_op:  # blocking calls have no requests left
         then()
         return None
-    return Work(requests, then, keep, operation, comm)
+    return Work(requests, then, keep, operation, comm, record)

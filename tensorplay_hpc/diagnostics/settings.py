@@ -10,6 +10,7 @@ from tensorplay_hpc.comm.capabilities import TRANSPORT_ENV
 from tensorplay_hpc.comm.chunking import CHUNK_ENV, MPI_COUNT_LIMIT, PIECE_BYTES, PIECE_ENV
 from tensorplay_hpc.comm.consistency import DEBUG_ENV
 from tensorplay_hpc.comm.cuda import CUDA_AWARE_ENV
+from tensorplay_hpc.comm.trace import TRACE_ENV
 from tensorplay_hpc.comm.watchdog import TIMEOUT_ENV
 from tensorplay_hpc.distributed.optim.distributed_optimizer import DIRECT_ENV
 
@@ -27,6 +28,10 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting(TIMEOUT_ENV, "off",
             "seconds a collective may wait before the job is aborted with a report of the "
             "ranks not arrived; unset or 0: no watchdog"),
+    Setting(TRACE_ENV, "off",
+            "a folder: every collective and one-sided operation is traced there as Chrome "
+            "trace JSON, one file per rank (and trace.json for all ranks from the training job "
+            "or trace.write())"),
     Setting(DEBUG_ENV, "0",
             "1: every collective first checks that all ranks entered it with the same sizes, "
             "dtype and root (slow)"),

@@ -69,6 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "logs; also when standard output is not a terminal)")
     option(output, "--log-every", "steps between progress lines without a bar, 0 for only the "
            "last step and validation losses", type=int)
+    option(output, "--trace", "write every collective and one-sided operation, with the compute "
+           "of each step, as Chrome trace JSON to DIR (trace-rank<R>.json, trace.json for all "
+           "ranks) and a timeline of the last steps to DIR/timeline.png",
+           type=Path, default=None, metavar="DIR")
 
 
 def config_from(args: argparse.Namespace) -> TrainConfig:

@@ -12,7 +12,7 @@ DEVICES = ("cpu", "cuda")
 # Settings that must match between a checkpoint and the run resuming from it.
 _MODEL_SHAPE = ("layers", "width", "heads", "context")
 # Settings that change only what is printed or how fast: a resume may change them silently.
-_PRESENTATION = ("resume", "progress", "log_every", "threads", "collective_timeout")
+_PRESENTATION = ("resume", "progress", "log_every", "threads", "collective_timeout", "trace")
 
 
 class UsageError(ValueError):
@@ -48,9 +48,11 @@ class TrainConfig:
     collective_timeout: float = 600.0
     progress: bool = True
     log_every: int = 50
+    trace: Optional[Path] = None
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir)
+        self.trace = None if self.trace is None else Path(self.trace)
         self.checkpoint_dir = Path(self.checkpoint_dir or self.run_dir / "checkpoints")
         choices = {"optimizer": OPTIMIZERS, "inner": INNER_OPTIMIZERS, "device": DEVICES}
         for name, allowed in choices.items():

@@ -11,6 +11,7 @@ import torch
 from mpi4py import MPI
 
 from tensorplay_hpc import checkpoint, comm
+from tensorplay_hpc.comm import trace
 
 from . import strategy as strategies
 from .config import TrainConfig, UsageError
@@ -21,6 +22,7 @@ from .plot import plot_losses
 from .preemption import EXIT_PREEMPTED, Preemption
 from .progress import Progress
 from .run_folder import METRICS_FILE, PLOT_FILE, check_unused, write_settings
+from .timeline import TIMELINE_FILE, plot_timeline
 
 
 @dataclass
@@ -84,6 +86,8 @@ class Run:
 
     def __init__(self, config: TrainConfig, world: MPI.Intracomm = MPI.COMM_WORLD) -> None:
         _check_run_folder(config, world)
+        if config.trace is not None:
+            trace.enable(config.trace)
         self.config = config
         self.group = comm.ProcessGroup(world)
         self.world = world
@@ -130,10 +134,11 @@ class Run:
                                       else None, root=0)
         for path in reversed(paths):
             try:
-                return path, checkpoint.load(path, model=self.strategy.module,
-                                             optimizer=self.strategy.optimizer,
-                                             process_group=self.world,
-                                             replica_group=self.strategy.replica_group)
+                with trace.caller("checkpoint load"):
+                    return path, checkpoint.load(path, model=self.strategy.module,
+                                                 optimizer=self.strategy.optimizer,
+                                                 process_group=self.world,
+                                                 replica_group=self.strategy.replica_group)
             except checkpoint.CheckpointError as error:
                 self._say(f"--resume: passing over {path}: {error}")
         return None
@@ -165,7 +170,8 @@ class Run:
             losses = torch.stack([next_token_loss(module, x, y) for x, y in self.validation])
         module.train()
         mean = losses.mean().double().cpu().reshape(1)
-        comm.all_reduce(mean, self.group.comm, comm.ReduceOp.AVG)
+        with trace.caller("validation"):
+            comm.all_reduce(mean, self.group.comm, comm.ReduceOp.AVG)
         return mean.item()
 
     def _save(self, progress: Progress, reason: str) -> None:
@@ -174,10 +180,11 @@ class Run:
         started = time.perf_counter()
         extra = {"step": step, "config": {**self.config.describe(), "ranks": self.group.size},
                  "history": self.history.to_extra()}
-        self.last_checkpoint = checkpoint.save(
-            str(path), model=self.strategy.module, optimizer=self.strategy.optimizer,
-            extra=extra, process_group=self.world, keep=self.config.keep or None,
-            replica_group=self.strategy.replica_group)
+        with trace.caller("checkpoint save"), trace.span("checkpoint save", "io"):
+            self.last_checkpoint = checkpoint.save(
+                str(path), model=self.strategy.module, optimizer=self.strategy.optimizer,
+                extra=extra, process_group=self.world, keep=self.config.keep or None,
+                replica_group=self.strategy.replica_group)
         progress.say(f"checkpoint at step {step} ({reason}): {self.last_checkpoint} "
                      f"in {time.perf_counter() - started:.1f} s")
         self._write_outputs()
@@ -197,10 +204,13 @@ class Run:
             self.corpus.train, seed=config.seed, step=step, batch_size=config.batch_size,
             context=config.context, rank=self.group.rank, world_size=self.group.size))
         s.optimizer.zero_grad(set_to_none=True)
-        loss = next_token_loss(s.model, inputs, targets)
-        loss.backward()
+        with trace.span("forward"):
+            loss = next_token_loss(s.model, inputs, targets)
+        with trace.span("backward"):
+            loss.backward()
         s.after_backward()
-        s.optimizer.step()
+        with trace.span("optimizer step"):
+            s.optimizer.step()
         return loss.item()
 
     # -- the run ----------------------------------------------------------------------------
@@ -219,8 +229,10 @@ class Run:
         seconds, steps_here, exit_code = 0.0, 0, 0
         while self.history.step < config.steps:
             started = time.perf_counter()
-            local_loss = self._step(self.history.step)
-            loss, stop = preemption.agree(local_loss, self.group.comm)
+            with trace.span(f"step {self.history.step + 1}"):
+                local_loss = self._step(self.history.step)
+                with trace.caller("loss and stop agreement"):
+                    loss, stop = preemption.agree(local_loss, self.group.comm)
             seconds += time.perf_counter() - started
             steps_here += 1
             speed = steps_here * self.tokens_per_step / seconds
@@ -241,6 +253,7 @@ class Run:
                 self._save(progress, "final" if done == config.steps else "periodic")
         progress.close()
         self._write_outputs()
+        self._write_trace()
         outcome = Outcome(
             steps=self.history.step,
             loss=self.history.losses[-1] if self.history.losses else float("nan"),
@@ -249,6 +262,15 @@ class Run:
             checkpoint=self.last_checkpoint, exit_code=exit_code)
         self._summarize(outcome)
         return outcome
+
+    def _write_trace(self) -> None:
+        """With tracing on: the trace files, and on rank 0 the timeline. Collective."""
+        merged = trace.write(self.world)
+        if merged is not None:
+            timeline = merged.parent / TIMELINE_FILE
+            plot_timeline(merged, timeline)
+            self._say(f"trace: {merged} (Chrome trace JSON, one file per rank beside it), "
+                      f"timeline: {timeline}")
 
     def _summarize(self, outcome: Outcome) -> None:
         config, run_dir = self.config, self.config.run_dir

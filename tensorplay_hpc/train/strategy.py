@@ -18,6 +18,7 @@ from mpi4py import MPI
 from torch import nn
 
 from tensorplay_hpc import comm
+from tensorplay_hpc.comm import trace
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
     PostLocalSGDState, post_localSGD_hook)
 from tensorplay_hpc.distributed.algorithms.model_averaging import averagers
@@ -80,7 +81,9 @@ def build(module: nn.Module, config: TrainConfig, group: comm.ProcessGroup) -> S
         params = [p for p in module.parameters() if p.requires_grad]
 
         def average_gradients() -> None:
-            comm.all_reduce_coalesced([p.grad for p in params], group.comm, comm.ReduceOp.AVG)
+            with trace.caller("gradient averaging"):
+                comm.all_reduce_coalesced([p.grad for p in params], group.comm,
+                                          comm.ReduceOp.AVG)
         return Strategy(module, module, inner(params, **defaults), average_gradients)
     model = DistributedDataParallel(module, process_group=group.parent)
     if config.optimizer == "zero":

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, List, Tuple
 import torch
 
 from tensorplay_hpc import comm
+from tensorplay_hpc.comm import trace
 from tensorplay_hpc.distributed.parallel.reducer import _done, _reduced_tensor
 
 from .bucket_assignment import BucketShard, sharded_buckets, whole_buckets
@@ -142,9 +143,10 @@ class DDPOverlap:
                 self.zero._step_with_gradients(self.params[index][shard.start:shard.stop],
                                                grads[shard.start:shard.stop])
             end = flat.offsets[shard.stop] if shard.stop < len(flat) else flat.buffer.numel()
-            self._broadcasts.append(comm.broadcast(flat.buffer[flat.offsets[shard.start]:end],
-                                                   self.zero._group.comm, shard.rank,
-                                                   async_op=True))
+            with trace.caller(f"ZeRO overlap, bucket {index}"):
+                self._broadcasts.append(comm.broadcast(
+                    flat.buffer[flat.offsets[shard.start]:end], self.zero._group.comm,
+                    shard.rank, async_op=True))
 
     def finish(self) -> None:
         """Wait for every broadcast of this iteration."""

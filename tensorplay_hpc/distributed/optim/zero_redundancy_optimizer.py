@@ -55,6 +55,7 @@ from mpi4py import MPI
 from torch.optim import Optimizer
 
 from tensorplay_hpc import comm
+from tensorplay_hpc.comm import trace
 from tensorplay_hpc.comm.consistency import Item
 from tensorplay_hpc.distributed.algorithms.join import Join, Joinable, JoinHook
 
@@ -345,8 +346,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def _sync_params(self) -> None:
         """Every rank gets every rank's updated shard. Collective."""
-        for buffer in self._buffers:
-            buffer.sync(self._group.comm)
+        with trace.caller("ZeRO parameter sync"):
+            for buffer in self._buffers:
+                buffer.sync(self._group.comm)
 
     # -- the optimizer API -----------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 of the calling thread (the backward pass). Needs ``MPI_THREAD_MULTIPLE``."""
 from __future__ import annotations
 
+import contextvars
 import queue
 import threading
 import time
@@ -56,25 +57,26 @@ class CommThread:
             self._thread = threading.Thread(target=self._run, name="ddp-allreduce", daemon=True)
             self._thread.start()
         work = ThreadWork(tensor)
-        self._queue.put((reduce, work))
+        # In the submitter's context, so the trace names the caller (the bucket) on the thread.
+        self._queue.put((reduce, work, contextvars.copy_context()))
         return work
 
     def _run(self) -> None:
         while True:
-            reduce, work = self._queue.get()
+            reduce, work, context = self._queue.get()
             if work is None:
                 return
             try:
-                reduce(work.tensor)
+                context.run(reduce, work.tensor)
             except BaseException as error:   # handed to the waiting thread
                 work.error = error
             finally:
                 work.done.set()
-                del reduce, work   # hold nothing (such as the reducer) while idle
+                del reduce, work, context   # hold nothing (such as the reducer) while idle
 
     def stop(self) -> None:
         """Finish the queued reductions and end the thread."""
         if self._thread is not None:
-            self._queue.put((None, None))
+            self._queue.put((None, None, None))
             self._thread.join()
             self._thread = None

@@ -26,6 +26,7 @@ from mpi4py import MPI
 from torch.utils._pytree import tree_map
 
 from tensorplay_hpc import comm
+from tensorplay_hpc.comm import trace
 from tensorplay_hpc.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from .arguments import check_arguments
@@ -157,7 +158,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             initial = [p.detach() for _, p in named_params]
             if settings.init_sync_buffers:
                 initial += self._buffers_to_sync
-            with torch.no_grad():
+            with torch.no_grad(), trace.caller("DDP initial broadcast"):
                 comm.broadcast_coalesced(initial, self._group.comm, root=0)
         trained = [(name, p) for name, p in named_params if p.requires_grad]
         self.find_unused_parameters = find_unused_parameters

@@ -32,6 +32,7 @@ from mpi4py import MPI
 from torch.utils._pytree import tree_leaves
 
 from tensorplay_hpc import comm
+from tensorplay_hpc.comm import trace
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.default_hooks import BucketWork
 
 from .comm_thread import CommThread, wait_for_all
@@ -293,12 +294,13 @@ class Reducer:
             self._next_bucket += 1
 
     def _start(self, bucket: GradBucket) -> Any:
-        if self._hook is not None:
-            return self._hook(self._hook_state, bucket)
-        if self._worker is None:
-            self._reduce(bucket.buffer())
-            return BucketWork(bucket.buffer())
-        return self._worker.submit(bucket.buffer(), self._reduce_on_thread)
+        with trace.caller(f"DDP bucket {bucket.index()}"):
+            if self._hook is not None:
+                return self._hook(self._hook_state, bucket)
+            if self._worker is None:
+                self._reduce(bucket.buffer())
+                return BucketWork(bucket.buffer())
+            return self._worker.submit(bucket.buffer(), self._reduce_on_thread)
 
     def _reduce(self, buffer: torch.Tensor) -> None:
         if self.divisor is None:
@@ -374,7 +376,8 @@ class Reducer:
         Collective: one allreduce of ``1 + len(params)`` bytes."""
         used = self._used if used is None else used
         flags = torch.tensor([problem, *used], dtype=torch.bool)
-        comm.all_reduce(flags, self.comm, comm.ReduceOp.MAX)
+        with trace.caller("DDP end of backward"):
+            comm.all_reduce(flags, self.comm, comm.ReduceOp.MAX)
         values = flags.tolist()
         return values[0], values[1:]
 

@@ -28,6 +28,7 @@ import torch
 from mpi4py import MPI
 
 from tensorplay_hpc import comm
+from tensorplay_hpc.comm import trace
 from tensorplay_hpc.comm.dtypes import move_datatype
 
 from .locks import LockManager
@@ -69,6 +70,7 @@ class ServedWindow:
         self._group = comm.ProcessGroup(communicator)
         self._comm = self._group.comm
         self.rank = self._group.rank
+        self._comm_name = trace.communicator_name(self._comm)
         self._sizes = self._comm.allgather(nbytes)
         self.local = torch.empty(nbytes, dtype=torch.uint8)
         self._locks = LockManager()
@@ -113,8 +115,9 @@ class ServedWindow:
         if rank == self.rank:
             tensor.view(-1).view(torch.uint8).copy_(local)
             return
-        self._send(rank, GET, offset, tensor)
-        self._stream(self._comm.Recv, tensor, rank, TO_CLIENT)
+        with trace.rma(f"get from rank {rank}", self._comm_name, tensor.nbytes):
+            self._send(rank, GET, offset, tensor)
+            self._stream(self._comm.Recv, tensor, rank, TO_CLIENT)
 
     def put(self, tensor: torch.Tensor, rank: int, offset: int) -> None:
         """Write ``tensor`` into ``rank``'s bytes from ``offset``; complete at the target once
@@ -123,8 +126,9 @@ class ServedWindow:
         if rank == self.rank:
             local.copy_(tensor.view(-1).view(torch.uint8))
             return
-        self._send(rank, PUT, offset, tensor)
-        self._stream(self._comm.Send, tensor, rank, TO_SERVICE)
+        with trace.rma(f"put to rank {rank}", self._comm_name, tensor.nbytes):
+            self._send(rank, PUT, offset, tensor)
+            self._stream(self._comm.Send, tensor, rank, TO_SERVICE)
 
     def accumulate(self, tensor: torch.Tensor, rank: int, offset: int,
                    op: MPI.Op = MPI.SUM) -> None:
@@ -137,8 +141,9 @@ class ServedWindow:
         if rank == self.rank:
             self._combine(local, tensor.view(-1), code)
             return
-        self._send(rank, ACCUMULATE, offset, tensor, code)
-        self._stream(self._comm.Send, tensor, rank, TO_SERVICE)
+        with trace.rma(f"accumulate to rank {rank}", self._comm_name, tensor.nbytes):
+            self._send(rank, ACCUMULATE, offset, tensor, code)
+            self._stream(self._comm.Send, tensor, rank, TO_SERVICE)
 
     def _combine(self, memory: torch.Tensor, values: torch.Tensor, code: int) -> None:
         with self._accumulating:
@@ -148,25 +153,28 @@ class ServedWindow:
     def locked(self, rank: int, exclusive: bool = False) -> Iterator[None]:
         """An epoch on ``rank``, entered once ``rank``'s lock is granted: operations started
         inside have completed at the target when the block ends. ``rank`` takes no part."""
-        if rank == self.rank:
-            self._locks.acquire(_LOCAL, exclusive)
-        else:
-            self._send(rank, LOCK_EXCLUSIVE if exclusive else LOCK_SHARED)
-            self._await(rank)
-        try:
-            yield
-        finally:
+        with trace.rma(f"{'exclusive' if exclusive else 'shared'} epoch on rank {rank}",
+                       self._comm_name, 0):
             if rank == self.rank:
-                self._locks.release(_LOCAL)
+                self._locks.acquire(_LOCAL, exclusive)
             else:
-                self._send(rank, UNLOCK)
+                self._send(rank, LOCK_EXCLUSIVE if exclusive else LOCK_SHARED)
                 self._await(rank)
+            try:
+                yield
+            finally:
+                if rank == self.rank:
+                    self._locks.release(_LOCAL)
+                else:
+                    self._send(rank, UNLOCK)
+                    self._await(rank)
 
     def flush(self, rank: int) -> None:
         """Complete the operations started on ``rank`` in the current epoch."""
         if rank != self.rank:
-            self._send(rank, FLUSH)
-            self._await(rank)
+            with trace.rma(f"flush rank {rank}", self._comm_name, 0):
+                self._send(rank, FLUSH)
+                self._await(rank)
 
     def sync(self) -> None:
         """Nothing to order: local memory is only reached through this process's locks."""

@@ -22,6 +22,7 @@ import torch
 from mpi4py import MPI
 
 from tensorplay_hpc import comm
+from tensorplay_hpc.comm import trace
 from tensorplay_hpc.comm.dtypes import move_datatype, reduce_dtype
 
 
@@ -57,6 +58,7 @@ class Window:
         self.shared_memory = self.win.Get_attr(MPI.WIN_CREATE_FLAVOR) == MPI.WIN_FLAVOR_SHARED
         self._segments: Dict[int, torch.Tensor] = {}
         self.rank = communicator.Get_rank()
+        self._comm_name = trace.communicator_name(communicator)
         if nbytes:
             self.local = torch.frombuffer(self.win.tomemory(), dtype=torch.uint8)
         else:
@@ -87,21 +89,23 @@ class Window:
         (``MPI.Win.Sync``); call it inside an epoch, after taking and before releasing it."""
         self.win.Sync()
 
-    def _transfer(self, method, tensor: torch.Tensor, rank: int, offset: int, **kwargs) -> None:
+    def _transfer(self, what: str, method, tensor: torch.Tensor, rank: int, offset: int,
+                  **kwargs) -> None:
         check_transferable(tensor, self.rank)
         datatype = move_datatype(tensor.dtype)
         size = tensor.element_size()
-        for start, count in comm.chunks(tensor.numel()):
-            method([comm.memory(tensor, start, count), count, datatype], rank,
-                   target=(offset + start * size, count, datatype), **kwargs)
+        with trace.rma(f"{what} rank {rank}", self._comm_name, tensor.nbytes):
+            for start, count in comm.chunks(tensor.numel()):
+                method([comm.memory(tensor, start, count), count, datatype], rank,
+                       target=(offset + start * size, count, datatype), **kwargs)
 
     def get(self, tensor: torch.Tensor, rank: int, offset: int) -> None:
         """Start reading ``rank``'s bytes from ``offset`` into ``tensor``."""
-        self._transfer(self.win.Get, tensor, rank, offset)
+        self._transfer("get from", self.win.Get, tensor, rank, offset)
 
     def put(self, tensor: torch.Tensor, rank: int, offset: int) -> None:
         """Start writing ``tensor`` into ``rank``'s bytes from ``offset``."""
-        self._transfer(self.win.Put, tensor, rank, offset)
+        self._transfer("put to", self.win.Put, tensor, rank, offset)
 
     def accumulate(self, tensor: torch.Tensor, rank: int, offset: int,
                    op: MPI.Op = MPI.SUM) -> None:
@@ -109,21 +113,24 @@ class Window:
         element atomically with respect to other accumulates. 16-bit floats, which MPI cannot add,
         must be converted to their :func:`~tensorplay_hpc.comm.dtypes.reduce_dtype` first."""
         check_accumulable(tensor, self.rank)
-        self._transfer(self.win.Accumulate, tensor, rank, offset, op=op)
+        self._transfer("accumulate to", self.win.Accumulate, tensor, rank, offset, op=op)
 
     @contextmanager
     def locked(self, rank: int, exclusive: bool = False) -> Iterator[None]:
         """A passive-target epoch on ``rank``: operations started inside have completed (at
         origin and target) when the block ends. ``rank`` takes no part."""
-        self.win.Lock(rank, MPI.LOCK_EXCLUSIVE if exclusive else MPI.LOCK_SHARED)
-        try:
-            yield
-        finally:
-            self.win.Unlock(rank)
+        with trace.rma(f"{'exclusive' if exclusive else 'shared'} epoch on rank {rank}",
+                       self._comm_name, 0):
+            self.win.Lock(rank, MPI.LOCK_EXCLUSIVE if exclusive else MPI.LOCK_SHARED)
+            try:
+                yield
+            finally:
+                self.win.Unlock(rank)
 
     def flush(self, rank: int) -> None:
         """Complete the operations started on ``rank`` in the current epoch."""
-        self.win.Flush(rank)
+        with trace.rma(f"flush rank {rank}", self._comm_name, 0):
+            self.win.Flush(rank)
 
     def free(self) -> None:
         """Release the window. Collective; local views of it must not be used afterwards."""

@@ -7,6 +7,7 @@ import torch
 from mpi4py import MPI
 
 from tensorplay_hpc import comm
+from tensorplay_hpc.comm import trace
 from tensorplay_hpc.comm.consistency import Item
 from tensorplay_hpc.comm.dtypes import reduce_dtype
 from tensorplay_hpc.comm.private import private_comm
@@ -91,24 +92,25 @@ def _lives_in(flat: comm.FlatBuffer, params: List[torch.Tensor]) -> bool:
 def _average(selected: List[torch.Tensor], communicator: MPI.Intracomm,
              buffers: Optional[Dict[tuple, comm.FlatBuffer]]) -> None:
     """Average ``selected`` in place, one flat allreduce per dtype and device. Collective."""
-    for (dtype, device), indices in comm.group_by_dtype_device(selected).items():
-        group = [selected[i].detach() for i in indices]
-        key = (dtype, device, tuple(t.shape for t in group))
-        flat = buffers.get(key) if buffers is not None else None
-        if flat is not None and _lives_in(flat, group):
+    with trace.caller("model averaging"):
+        for (dtype, device), indices in comm.group_by_dtype_device(selected).items():
+            group = [selected[i].detach() for i in indices]
+            key = (dtype, device, tuple(t.shape for t in group))
+            flat = buffers.get(key) if buffers is not None else None
+            if flat is not None and _lives_in(flat, group):
+                comm.all_reduce(flat.buffer, communicator, comm.ReduceOp.AVG)
+                continue
+            if flat is None:
+                flat = comm.FlatBuffer(key[2], reduce_dtype(dtype), device)
+                if buffers is not None:
+                    buffers[key] = flat
+            flat.copy_from(group)
             comm.all_reduce(flat.buffer, communicator, comm.ReduceOp.AVG)
-            continue
-        if flat is None:
-            flat = comm.FlatBuffer(key[2], reduce_dtype(dtype), device)
-            if buffers is not None:
-                buffers[key] = flat
-        flat.copy_from(group)
-        comm.all_reduce(flat.buffer, communicator, comm.ReduceOp.AVG)
-        if buffers is not None and flat.buffer.dtype == dtype:
-            for i, view in zip(indices, flat.views):
-                selected[i].data = view
-        else:
-            flat.copy_to(group)
+            if buffers is not None and flat.buffer.dtype == dtype:
+                for i, view in zip(indices, flat.views):
+                    selected[i].data = view
+            else:
+                flat.copy_to(group)
 
 
 def average_on_communicator(params: Params, communicator: MPI.Comm,

@@ -1,0 +1,134 @@
+"""The trace of collectives and one-sided operations: the ring of recent operations, the Chrome
+trace files of a traced training run and its timeline, and the watchdog's report of what each
+rank was doing."""
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from mpi4py import MPI
+
+from launch import mpiexec, only_in_single_rank_run
+from tensorplay_hpc import comm
+from tensorplay_hpc.comm import trace
+from tensorplay_hpc.train.config import TrainConfig
+from tensorplay_hpc.train.loop import train
+from tensorplay_hpc.train.timeline import TIMELINE_FILE
+
+WORLD = MPI.COMM_WORLD
+JOB = os.path.join(os.path.dirname(__file__), "fault_job.py")
+
+
+@pytest.fixture
+def traced(folder):
+    """Tracing on, into a folder every rank sees; off again afterwards."""
+    directory = Path(folder) / "trace"
+    trace.enable(directory)
+    yield directory
+    trace.disable()
+
+
+def _timed(events):
+    return [e for e in events if e["ph"] != "M"]
+
+
+def test_ring_and_trace_hold_a_known_sequence(world, traced):
+    group = comm.ProcessGroup()
+    size = group.size
+    name = f"MPI_COMM_WORLD (private duplicate) of {size} ranks"
+    with trace.caller("outer"), trace.caller("known"):
+        comm.all_reduce(torch.ones(4), group.comm)                          # 16 bytes
+        comm.broadcast(torch.ones(3, dtype=torch.float64), group.comm)      # 24 bytes
+        work = comm.all_gather(torch.empty(2 * size, dtype=torch.int16),
+                               torch.ones(2, dtype=torch.int16), group.comm, async_op=True)
+        assert trace.recent()[-1].end is None      # in flight until waited for
+        work.wait()
+        with trace.span("local work"):
+            pass
+    last = trace.recent()[-4:]
+    assert [(op.name, op.kind, op.nbytes, op.comm, op.caller, op.asynchronous) for op in last] == [
+        ("all_reduce", "collective", 16, name, "outer / known", False),
+        ("broadcast", "collective", 24, name, "outer / known", False),
+        ("all_gather", "collective", 4 * size, name, "outer / known", True),
+        ("local work", "compute", 0, "", "outer / known", False)]
+    assert all(op.end >= op.start for op in last)
+    assert all(a.start <= b.start for a, b in zip(last, last[1:]))
+    assert "all_reduce 16 B on " + name + " for outer / known [MainThread]: took" in \
+        trace.describe_recent()
+    for _ in range(trace.RECENT + 3):
+        comm.all_reduce(torch.ones(1), group.comm)
+    assert len(trace.recent()) == trace.RECENT
+    assert [op.nbytes for op in trace.recent()] == [4] * trace.RECENT
+
+    merged = trace.write(world)
+    group.close()
+    mine = json.loads((traced / f"trace-rank{world.rank}.json").read_text())["traceEvents"]
+    events = [(e["name"], e["ph"], e["args"].get("bytes")) for e in _timed(mine)]
+    assert events[:5] == [("all_reduce", "X", 16), ("broadcast", "X", 24),
+                          ("all_gather", "b", 4 * size), ("all_gather", "e", None),
+                          ("local work", "X", 0)]
+    assert events[5:] == [("all_reduce", "X", 4)] * (trace.RECENT + 3)
+    if world.rank == 0:
+        every = _timed(json.loads(merged.read_text())["traceEvents"])
+        assert sorted({e["pid"] for e in every}) == list(range(world.size))
+        assert len(every) == world.size * len(events)
+    else:
+        assert merged is None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("optimizer, callers", [
+    ("zero", {"DDP bucket 0", "DDP end of backward", "ZeRO parameter sync",
+              "loss and stop agreement", "validation", "DDP initial broadcast"}),
+    ("postlocal", {"DDP bucket 0", "model averaging", "loss and stop agreement"})])
+def test_traced_training_run_writes_trace_files_and_timeline(world, folder, optimizer, callers):
+    run_dir = Path(folder) / "run"
+    config = TrainConfig(layers=1, width=32, heads=2, context=16, batch_size=8, eval_every=0,
+                         eval_batches=1, progress=False, threads=1, steps=20, warmup_steps=2,
+                         average_period=2, checkpoint_every=0, optimizer=optimizer,
+                         run_dir=run_dir, trace=run_dir / "trace")
+    try:
+        assert train(config, world).steps == 20
+    finally:
+        trace.disable()
+    world.Barrier()
+    mine = json.loads((run_dir / "trace" / f"trace-rank{world.rank}.json").read_text())
+    timed = _timed(mine["traceEvents"])
+    assert all(e["pid"] == world.rank for e in timed)
+    assert [e["ts"] for e in timed] == sorted(e["ts"] for e in timed)
+    assert callers <= {e["args"]["caller"] for e in timed if e["ph"] in "Xb"}
+    steps = [e["name"] for e in timed if e["name"].startswith("step ")]
+    assert steps == [f"step {n}" for n in range(1, 21)]
+    for name in ("forward", "backward", "optimizer step"):
+        assert sum(e["name"] == name for e in timed) == 20
+    assert sum(e["name"] == "checkpoint save" and e["cat"] == "io" for e in timed) == 1
+    if world.rank == 0:
+        merged = _timed(json.loads((run_dir / "trace" / "trace.json").read_text())["traceEvents"])
+        assert sorted({e["pid"] for e in merged}) == list(range(world.size))
+        for rank in range(world.size):
+            of_rank = [e["ts"] for e in merged if e["pid"] == rank]
+            assert of_rank == sorted(of_rank) and len(of_rank) > 20 * 5
+        png = (run_dir / "trace" / TIMELINE_FILE).read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+@only_in_single_rank_run
+@pytest.mark.timeout(120)
+def test_watchdog_report_lists_every_ranks_last_operations():
+    run = mpiexec(2, [JOB, "stall"], timeout=100,
+                  env=dict(os.environ, TENSORPLAY_HPC_COLLECTIVE_TIMEOUT="2"))
+    assert run.returncode != 0, run.stdout + run.stderr
+    report = run.stderr
+    comm_name = r"MPI_COMM_WORLD \(private duplicate\) of 2 ranks"
+    assert re.search(r"\[rank 0\] collective timeout: all_reduce \(collective #2\).*Aborting the "
+                     r"job\. This rank's last operations, oldest first:\n"
+                     rf"\[rank 0\]   all_reduce 16 B on {comm_name} \[MainThread\]: took [0-9.]+ ms, "
+                     r"ended [0-9.]+ s ago\n"
+                     rf"\[rank 0\]   all_reduce 16 B on {comm_name} \[MainThread\]: running for "
+                     r"[0-9.]+ s\n", report), report
+    assert re.search(r"\[rank 1\] asked by rank 0 of communicator .* about a stalled collective; "
+                     r"this rank has entered 1 collectives there\. Its last operations, oldest "
+                     rf"first:\n\[rank 1\]   all_reduce 16 B on {comm_name} \[MainThread\]: took "
+                     r"[0-9.]+ ms, ended [0-9.]+ s ago\n", report), report
