@@ -161,29 +161,36 @@ def test_file_format_is_plain_hdf5(folder):
     if WORLD.Get_rank() == 0:
         with h5py.File(path, "r") as f:      # serial h5py, no MPI
             assert f.attrs["format"] == fmt.FORMAT
-            assert f.attrs["format_version"] == fmt.FORMAT_VERSION == 3
+            assert f.attrs["format_version"] == fmt.FORMAT_VERSION == 4
             assert f.attrs["world_size"] == WORLD.Get_size()
             assert json.loads(f.attrs["replicas"]) == [list(range(WORLD.Get_size()))]
             assert f.attrs["step"] == 12
             assert f.attrs["torch_version"] == torch.__version__
             catalog = json.loads(f["catalog"][()].tobytes())
-            tensors = catalog["tensors"]
-            assert sorted(n[len("model/"):] for n in tensors if n.startswith("model/")) == sorted(
+            columns, sizes = f["catalog_columns"][()], f["catalog_shapes"][()]
+            names, dtypes = catalog["names"], catalog["dtypes"]
+            assert columns.dtype == sizes.dtype == np.int64 and columns.shape == (len(names), 5)
+            assert sorted(n[len("model/"):] for n in names if n.startswith("model/")) == sorted(
                 model.state_dict())
-            assert tensors["model/0.weight"] == [
-                "model/0.weight", None, [200, 200], 40_000, "bfloat16",
-                fmt.checksum(model[0].weight.data.view(torch.int16).numpy())]
+            starts = np.cumsum(columns[:, 4]) - columns[:, 4]
+            tensors = {name: (offset, tuple(sizes[start:start + ndim]), numel, dtypes[code], crc)
+                       for name, (offset, numel, code, crc, ndim), start
+                       in zip(names, columns.tolist(), starts.tolist())}
+            assert tensors["model/0.weight"] == (
+                -1, (200, 200), 40_000, "bfloat16",
+                fmt.checksum(model[0].weight.data.view(torch.int16).numpy()))
             weight = f["model/0.weight"]
             assert weight.dtype == np.int16
             assert torch.equal(torch.from_numpy(weight[()]).view(torch.bfloat16), model[0].weight.data)
-            packed = {name: entry for name, entry in tensors.items() if entry[1] is not None}
+            packed = {name: entry for name, entry in tensors.items() if entry[0] >= 0}
             assert "model/2.bias" in packed and "model/0.bias" in packed
-            for name, (dataset, offset, shape, numel, dtype, crc) in packed.items():
-                assert dataset == f"packed/{dtype}" and numel == int(np.prod(shape))
-                values = f[dataset][offset:offset + numel]
+            for name, (offset, shape, numel, dtype, crc) in packed.items():
+                assert numel == int(np.prod(shape))
+                values = f[f"packed/{dtype}"][offset:offset + numel]
                 assert fmt.checksum(values) == crc
-            dataset, offset, _, _, _, _ = tensors["model/2.bias"]
-            assert torch.equal(torch.from_numpy(f[dataset][offset:offset + 3]), model[2].bias.data)
+            offset = tensors["model/2.bias"][0]
+            assert torch.equal(torch.from_numpy(f["packed/float32"][offset:offset + 3]),
+                               model[2].bias.data)
             assert sorted(f["packed"]) == ["float32"]
             assert catalog["attributes"]["optimizer"]["class"] == "torch.optim.sgd.SGD"
         assert checkpoint.latest(folder) == path
@@ -225,9 +232,10 @@ def test_failed_save_leaves_previous_checkpoint(folder, monkeypatch):
 
 def corrupt(path, name, offset=0):
     """Flip the bits of byte ``offset`` of tensor ``name``'s values in the file."""
-    with h5py.File(path, "r") as f:
-        dataset, first, _, _, _, _ = json.loads(f["catalog"][()].tobytes())["tensors"][name]
-        where = f[dataset].id.get_offset() + (first or 0) * f[dataset].dtype.itemsize
+    with checkpoint.Reader(path) as reader:
+        dataset, first = reader.catalog.entry(name)[:2]
+        values = reader.file[dataset]
+        where = values.id.get_offset() + (first or 0) * values.dtype.itemsize
     with open(path, "r+b") as raw:
         raw.seek(where + offset)
         byte = raw.read(1)
@@ -384,16 +392,25 @@ def test_each_replica_resumes_its_own_copy_and_other_layouts_their_average(folde
 
 
 def rewrite_in_old_layout(path, version):
-    """Rewrite a checkpoint as versions 1 and 2 laid it out: a dataset per tensor carrying its
-    dtype and checksum, every attribute an HDF5 attribute (and no replicas in version 1)."""
+    """Rewrite a checkpoint as older versions laid it out: version 3 with one JSON list per
+    tensor in its catalog; versions 1 and 2 with a dataset per tensor carrying its dtype and
+    checksum and every attribute an HDF5 attribute (and no replicas in version 1)."""
     with checkpoint.Reader(path) as reader:
+        catalog = reader.catalog
         tensors = {name: (fmt.to_numpy(reader.tensor(name)), entry)
-                   for name, entry in zip(reader.catalog.tensors, reader.catalog.entries())}
-        attributes = reader.catalog.attributes
+                   for name, entry in zip(catalog.names, catalog.entries())}
+        attributes = catalog.attributes
         root = dict(reader.file.attrs)
-    with h5py.File(path, "w") as f:
-        f.attrs.update(root)
+    with h5py.File(path, "r+" if version == 3 else "w") as f:
         f.attrs["format_version"] = version
+        if version == 3:
+            document = {"tensors": {name: list(entry) for name, (_, entry) in tensors.items()},
+                        "attributes": attributes}
+            for name in ("catalog", "catalog_columns", "catalog_shapes"):
+                del f[name]
+            f["catalog"] = np.frombuffer(json.dumps(document).encode(), dtype=np.uint8)
+            return
+        f.attrs.update({k: v for k, v in root.items() if k != "format_version"})
         if version == 1:
             del f.attrs["replicas"]
         for name, (array, entry) in tensors.items():
@@ -403,7 +420,7 @@ def rewrite_in_old_layout(path, version):
             f.require_group(node).attrs.update(attrs)
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 def test_files_of_older_versions_still_load(folder, version):
     model = Four()
     optimizer = adam_step(model)

@@ -67,8 +67,20 @@ def _garble_catalog(f, catalog):
     f["catalog"] = np.frombuffer(b'{"tensors": {"model/0.weight": [', dtype=np.uint8)
 
 
-def _garble_entry(f, catalog):
-    catalog["tensors"]["model/0.weight"] = ["packed/float32", 0, [6, 4]]
+def _drop_columns(f, catalog):
+    del f["catalog_columns"]
+
+
+def _narrow_columns(f, catalog):
+    columns = f["catalog_columns"][()]
+    del f["catalog_columns"]
+    f["catalog_columns"] = columns[:, :3]
+
+
+def _garble_shape(f, catalog):
+    sizes = f["catalog_shapes"][()]
+    sizes[0] += 1
+    f["catalog_shapes"][...] = sizes
 
 
 CASES = [
@@ -78,7 +90,9 @@ CASES = [
     (_garble_replicas, "attribute 'replicas' of '/' is damaged"),
     (_drop_catalog, "the checkpoint lacks its catalog"),
     (_garble_catalog, "the checkpoint's catalog is damaged"),
-    (_garble_entry, "the catalog's entry of 'model/0.weight' is damaged"),
+    (_drop_columns, "the checkpoint lacks its catalog \\(dataset 'catalog_columns'\\)"),
+    (_narrow_columns, "catalog is damaged \\(ValueError: columns of shape \\(\\d+, 3\\)"),
+    (_garble_shape, "catalog is damaged \\(ValueError: a tensor's element count differs"),
 ]
 
 

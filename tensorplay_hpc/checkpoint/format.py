@@ -18,8 +18,9 @@ file of version 1) there is no prefix.
 
 Since version 3, only the root's attributes are HDF5 attributes; the tree's names, every other
 attribute and where each tensor's values lie (a dataset of its own for large tensors, a stretch
-of ``/packed/<dtype>`` for small ones) are in the ``/catalog`` dataset (see :mod:`.catalog`).
-In versions 1 and 2 each tensor was a dataset of its name, each attribute an HDF5 attribute.
+of ``/packed/<dtype>`` for small ones) are in the catalog (see :mod:`.catalog`): one JSON
+document in version 3, the JSON strings and two ``int64`` columns since version 4. In versions 1
+and 2 each tensor was a dataset of its name, each attribute an HDF5 attribute.
 Every tensor has a ``torch_dtype`` and the ``crc32`` of its raw bytes. bfloat16, which HDF5
 lacks, is stored as its raw 16-bit words (``int16``).
 """
@@ -33,7 +34,7 @@ import numpy as np
 import torch
 
 FORMAT = "tensorplay_hpc-checkpoint"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 SUFFIX = ".h5"
 
 _STORED_AS = {torch.bfloat16: torch.int16}

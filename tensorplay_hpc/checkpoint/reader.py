@@ -1,12 +1,12 @@
 """Reading a checkpoint file: validation, checksummed tensors and attributes. Not collective:
 each rank opens the file read-only and reads only what it needs; :attr:`Reader.bytes_read`
-counts the bytes of tensor values it read. Small tensors are read from their packed dataset a
-block at a time, so reading many of them in file order costs a few reads."""
+counts the bytes of tensor values it read. Small tensors read together are read from their
+packed dataset in a few long stretches, however many there are."""
 from __future__ import annotations
 
 import os
-from collections import OrderedDict
-from typing import Any, Dict, List, Tuple
+import zlib
+from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
 import h5py
 import numpy as np
@@ -14,10 +14,11 @@ import torch
 
 from . import format as fmt
 from . import values
-from .catalog import Catalog, Entry
+from .catalog import CRC, DTYPE, NUMEL, OFFSET, Catalog, packed_dataset, stored_dtype
 
-_BLOCK_ELEMENTS = 1 << 20
-_BLOCKS_CACHED = 8
+_MIN_GAP = 1 << 12
+_SPAN_ELEMENTS = 1 << 22
+_VERIFY_BATCH = 1 << 14
 
 
 class Reader:
@@ -49,7 +50,6 @@ class Reader:
         except fmt.CheckpointError:
             self.close()
             raise
-        self._blocks: "OrderedDict[Tuple[str, int], np.ndarray]" = OrderedDict()
 
     def _format_version(self) -> int:
         found = self.file.attrs.get("format")
@@ -109,71 +109,107 @@ class Reader:
                                       f"{node or '/'!r}")
         return self.decoded(node, key)
 
-    def verify(self) -> int:
-        """Read every tensor and check its checksum; return how many there are."""
-        for name in self.catalog.tensors:
-            self.tensor(name)
-        return len(self.catalog.tensors)
-
-    def _entry(self, name: str) -> Entry:
-        try:
-            entry = self.catalog.entry(name)
-        except (TypeError, ValueError):
-            raise fmt.CheckpointError(f"{self.path}: the catalog's entry of {name!r} is "
-                                      "damaged") from None
-        if entry is None:
+    def _row(self, name: str) -> int:
+        row = self.catalog.index.get(name)
+        if row is None:
             raise fmt.CheckpointError(f"{self.path}: the checkpoint lacks dataset {name!r}")
-        return entry
+        return row
 
     def describe(self, name: str) -> Tuple[Tuple[int, ...], torch.dtype]:
         """The shape and dtype of tensor ``name`` (from the catalog, no values read)."""
-        entry = self._entry(name)
-        return entry.shape, fmt.torch_dtype(entry.dtype)
+        row = self._row(name)
+        return self.catalog.shape(row), fmt.torch_dtype(self.catalog.dtypes[
+            self.catalog.columns[row, DTYPE]])
 
-    def _block(self, dataset: str, index: int) -> np.ndarray:
-        """Block ``index`` of a packed dataset, from the cache of the last few read."""
-        key = (dataset, index)
-        block = self._blocks.get(key)
-        if block is None:
-            block = self.file[dataset][index * _BLOCK_ELEMENTS:(index + 1) * _BLOCK_ELEMENTS]
-            if len(self._blocks) >= _BLOCKS_CACHED:
-                self._blocks.popitem(last=False)
-            self._blocks[key] = block
-        elif key != next(reversed(self._blocks)):
-            self._blocks.move_to_end(key)
-        return block
+    def _values(self, names: Sequence[str]) -> Iterator[Tuple[int, int, np.ndarray]]:
+        """``(position in names, row, flat stored values)`` of every tensor of ``names``, checksums
+        verified. Tensors of their own dataset are read one by one; packed ones in file order,
+        neighbours together in spans (see :func:`_spans`), each value a view of its span."""
+        rows = [self._row(name) for name in names]
+        columns = self.catalog.columns[rows]
+        offsets, numels, codes, crcs = (columns[:, c] for c in (OFFSET, NUMEL, DTYPE, CRC))
+        stored = [stored_dtype(name) for name in self.catalog.dtypes]
+        for position in np.flatnonzero(offsets < 0).tolist():
+            row = rows[position]
+            values = np.empty(self.catalog.shape(row), dtype=stored[codes[position]])
+            self._read(names[position], values)
+            yield position, row, self._checked(names[position], values.reshape(-1),
+                                               crcs[position])
+        packed = np.flatnonzero(offsets >= 0)
+        kinds = [s.name for s in stored]
+        for kind in sorted({kinds[code] for code in np.unique(codes[packed]).tolist()}):
+            same = [code for code, name in enumerate(kinds) if name == kind]
+            chosen = packed[np.isin(codes[packed], same)]
+            chosen = chosen[np.argsort(offsets[chosen], kind="stable")]
+            dataset = packed_dataset(stored[same[0]])
+            starts, ends = offsets[chosen].tolist(), (offsets[chosen] + numels[chosen]).tolist()
+            for first, last in _spans(starts, ends):
+                low, high = starts[first], max(ends[first:last])
+                span = np.empty(high - low, dtype=stored[same[0]])
+                self._read(dataset, span, np.s_[low:high])
+                for i in range(first, last):
+                    position = int(chosen[i])
+                    values = span[starts[i] - low:ends[i] - low]
+                    yield position, rows[position], self._checked(names[position], values,
+                                                                  crcs[position])
 
-    def _read_packed(self, entry: Entry, out: np.ndarray) -> None:
-        flat, position, end = out.reshape(-1), entry.offset, entry.offset + entry.numel
-        while position < end:
-            index, start = divmod(position, _BLOCK_ELEMENTS)
-            block = self._block(entry.dataset, index)
-            piece = block[start:start + end - position]
-            if not piece.size:
-                raise OSError(f"the packed dataset {entry.dataset!r} ends early")
-            flat[position - entry.offset:position - entry.offset + piece.size] = piece
-            position += piece.size
-
-    def read_into(self, name: str, out: np.ndarray) -> None:
-        """Read tensor ``name`` into ``out`` (its shape and stored dtype), verifying its
-        checksum."""
-        entry = self._entry(name)
+    def _read(self, dataset: str, out: np.ndarray, selection: Any = None) -> None:
         try:
-            if entry.offset is not None:
-                self._read_packed(entry, out)
-            elif out.size:
-                self.file[entry.dataset].read_direct(out)
-        except (OSError, KeyError, ValueError) as error:
-            raise fmt.CheckpointError(f"{self.path}: cannot read dataset {name!r} (truncated "
+            if out.size:
+                self.file[dataset].read_direct(out, source_sel=selection)
+        except (OSError, KeyError, ValueError, TypeError) as error:
+            raise fmt.CheckpointError(f"{self.path}: cannot read dataset {dataset!r} (truncated "
                                       f"file?): {error}") from None
-        self.bytes_read += out.nbytes
-        if fmt.checksum(out) != entry.crc32:
+
+    def _checked(self, name: str, values: np.ndarray, crc32: int) -> np.ndarray:
+        self.bytes_read += values.nbytes
+        if zlib.crc32(values) != crc32:
             raise fmt.CheckpointError(f"{self.path}: checksum mismatch in dataset {name!r}: the "
                                       "file is corrupted")
+        return values
+
+    def read_all_into(self, names: Sequence[str], outs: Sequence[np.ndarray]) -> None:
+        """Read each tensor of ``names`` into the array of ``outs`` at the same position (its
+        shape and stored dtype), verifying checksums."""
+        for position, _, values in self._values(names):
+            outs[position].reshape(-1)[...] = values
+
+    def tensors(self, names: Sequence[str]) -> Dict[str, torch.Tensor]:
+        """Read the tensors ``names``, verifying checksums. Small tensors read together share
+        the memory of the stretch of the file they came from."""
+        dtypes = [fmt.torch_dtype(name) for name in self.catalog.dtypes]
+        codes = self.catalog.columns[:, DTYPE]
+        found: Dict[str, torch.Tensor] = {}
+        for position, row, values in self._values(names):
+            found[names[position]] = fmt.from_numpy(values.reshape(self.catalog.shape(row)),
+                                                    dtypes[codes[row]])
+        return found
 
     def tensor(self, name: str) -> torch.Tensor:
         """Read tensor ``name``, verifying its checksum."""
-        shape, dtype = self.describe(name)
-        out = np.empty(shape, dtype=fmt.numpy_dtype(dtype))
-        self.read_into(name, out)
-        return fmt.from_numpy(out, dtype)
+        return self.tensors([name])[name]
+
+    def verify(self) -> int:
+        """Read every tensor and check its checksum; return how many there are."""
+        names = self.catalog.names
+        for start in range(0, len(names), _VERIFY_BATCH):
+            for _ in self._values(names[start:start + _VERIFY_BATCH]):
+                pass
+        return len(names)
+
+
+def _spans(starts: List[int], ends: List[int]) -> Iterator[Tuple[int, int]]:
+    """Runs ``[first, last)`` of the (sorted) stretches ``starts``/``ends`` to read at once: a
+    run grows over a gap no longer than what it already holds (or :data:`_MIN_GAP`), so at most
+    about twice the wanted elements are read, and up to :data:`_SPAN_ELEMENTS` elements."""
+    first, low, end, wanted = 0, 0, 0, 0
+    for i, (start, stop) in enumerate(zip(starts, ends)):
+        if i > first and (start - end > max(_MIN_GAP, wanted) or stop - low > _SPAN_ELEMENTS):
+            yield first, i
+            first = i
+        if i == first:
+            low, end, wanted = start, stop, 0
+        end = max(end, stop)
+        wanted += stop - start
+    if starts:
+        yield first, len(starts)

@@ -107,11 +107,11 @@ def _plan(reader: Reader, sources: List[str], rank: int, model: Optional[torch.n
                                   f"the optimizer is {adapter.optimizer_class}")
     plan.state_prefix = state_prefix(reader, sources[0])
     indices = adapter.indices_to_read(rank)
-    listed = sorted(int(i) for i in reader.names(f"{plan.state_prefix}optimizer/state"))
+    listed = {int(i) for i in reader.names(f"{plan.state_prefix}optimizer/state")}
     target = plan.shared_state if indices is None else plan.own_state
-    for index in listed if indices is None else indices:
-        if reader.has(fmt.state_node(index, plan.state_prefix)):
-            target[index] = sorted(reader.names(fmt.state_node(index, plan.state_prefix)))
+    for index in sorted(listed) if indices is None else indices:
+        if index in listed:
+            target[index] = reader.names(fmt.state_node(index, plan.state_prefix))
     plan.tensors = [name for name in adapter.tensors_to_read(rank) if reader.has(name)]
     return plan
 
@@ -131,8 +131,9 @@ def _extra(reader: Reader, rank: int) -> Dict[str, Any]:
     if not reader.has(group):
         group = fmt.extra_group(0)
     extra = dict(reader.decoded(group, default={}))
-    for key in reader.names(group):
-        extra[key] = reader.tensor(f"{group}/{key}")
+    keys = reader.names(group)
+    tensors = reader.tensors([f"{group}/{key}" for key in keys])
+    extra.update((key, tensors[f"{group}/{key}"]) for key in keys)
     return extra
 
 
@@ -173,8 +174,10 @@ def load_into(reader: Reader, comm: MPI.Intracomm, replicas: Replicas,
 
     error, extra = None, {}
     try:
-        own = {name: reader.tensor(name) for name in plan.tensors}
-        own_state = {i: {k: reader.tensor(fmt.state_name(i, k)) for k in keys}
+        own = reader.tensors(plan.tensors)
+        read = reader.tensors([fmt.state_name(i, k) for i, keys in plan.own_state.items()
+                               for k in keys])
+        own_state = {i: {k: read[fmt.state_name(i, k)] for k in keys}
                      for i, keys in plan.own_state.items()}
         own_values = {i: reader.decoded(fmt.state_node(i), default={}) for i in plan.own_state}
         extra = _extra(reader, rank)

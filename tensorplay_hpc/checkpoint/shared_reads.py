@@ -55,8 +55,8 @@ def read_shared(reader: Reader, names: Sequence[str], comm: MPI.Intracomm) -> Di
         buffers[root] = np.empty(sum(sizes[i] for i in mine), dtype=np.uint8)
         if root == rank:
             try:
-                for i, view in zip(mine, _views(buffers[root], [layout[i] for i in mine])):
-                    reader.read_into(names[i], view)
+                reader.read_all_into([names[i] for i in mine],
+                                     _views(buffers[root], [layout[i] for i in mine]))
             except Exception as failure:
                 error = failure
     agree(comm, error, what, fmt.CheckpointError)

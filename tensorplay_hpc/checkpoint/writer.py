@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections import Counter
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import h5py
@@ -24,7 +25,7 @@ from tensorplay_hpc.comm.watchdog import watched
 
 from . import files
 from . import format as fmt
-from .catalog import CATALOG, Catalog
+from .catalog import OFFSET, Catalog
 from .snapshot import Snapshot
 
 Arrays = List[Tuple[str, np.ndarray]]
@@ -43,36 +44,40 @@ def _file_size(catalog: Catalog) -> int:
     datasets = catalog.datasets
     data = sum(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
                for shape, dtype in datasets.values())
-    return data + (1 << 20) + 8192 * len(datasets) + 256 * len(catalog.tensors)
+    return data + (1 << 20) + 8192 * len(datasets) + 256 * len(catalog.names)
 
 
 def parallel_available() -> bool:
     return bool(h5py.get_config().mpi)
 
 
-def _create(f: h5py.File, catalog: Catalog, document: np.ndarray, root_attributes: dict) -> None:
+def _create(f: h5py.File, catalog: Catalog, index: Dict[str, np.ndarray],
+            root_attributes: dict) -> None:
     for name, (shape, dtype) in catalog.datasets.items():
         f.create_dataset(name, shape=shape, dtype=dtype)
-    f.create_dataset(CATALOG, shape=document.shape, dtype=np.uint8)
+    for name, array in index.items():
+        f.create_dataset(name, shape=array.shape, dtype=array.dtype)
     for key, value in root_attributes.items():
         f.attrs[key] = value
 
 
-def _runs(catalog: Catalog, arrays: Arrays) -> Iterator[Tuple[str, int, List[np.ndarray]]]:
+def _runs(catalog: Catalog, arrays: Arrays) -> Iterator[Tuple[str, Optional[int], List[np.ndarray]]]:
     """This rank's arrays grouped into writes: ``(dataset, offset, arrays)``, the arrays lying
     back to back from ``offset`` (``None`` for a dataset of its own)."""
     run: List[np.ndarray] = []
     dataset, start, end, nbytes = "", 0, 0, 0
     for name, array in arrays:
-        entry = catalog.entry(name)
-        if entry.offset is None:
-            yield entry.dataset, None, [array]
+        row = catalog.index[name]
+        offset = int(catalog.columns[row, OFFSET])
+        if offset < 0:
+            yield name, None, [array]
             continue
-        if run and (entry.dataset != dataset or entry.offset != end or nbytes > _RUN_BYTES):
+        packed = catalog.dataset(row)
+        if run and (packed != dataset or offset != end or nbytes > _RUN_BYTES):
             yield dataset, start, run
             run = []
         if not run:
-            dataset, start, end, nbytes = entry.dataset, entry.offset, entry.offset, 0
+            dataset, start, end, nbytes = packed, offset, offset, 0
         run.append(array)
         end += array.size
         nbytes += array.nbytes
@@ -80,7 +85,7 @@ def _runs(catalog: Catalog, arrays: Arrays) -> Iterator[Tuple[str, int, List[np.
         yield dataset, start, run
 
 
-def _write_own(f: h5py.File, catalog: Catalog, document: np.ndarray, arrays: Arrays,
+def _write_own(f: h5py.File, catalog: Catalog, index: Dict[str, np.ndarray], arrays: Arrays,
                rank: int) -> None:
     for dataset, offset, run in _runs(catalog, arrays):
         if offset is None:
@@ -91,7 +96,9 @@ def _write_own(f: h5py.File, catalog: Catalog, document: np.ndarray, arrays: Arr
         if flat.size:
             f[dataset].write_direct(flat, dest_sel=np.s_[offset:offset + flat.size])
     if rank == 0:
-        f[CATALOG].write_direct(document)
+        for name, array in index.items():
+            if array.size:
+                f[name].write_direct(np.ascontiguousarray(array))
 
 
 def _write_parallel(temporary: str, catalog: Catalog, root_attributes: dict, arrays: Arrays,
@@ -103,9 +110,9 @@ def _write_parallel(temporary: str, catalog: Catalog, root_attributes: dict, arr
             return error
         error = None
         try:
-            document = catalog.to_bytes()
-            _create(f, catalog, document, root_attributes)
-            _write_own(f, catalog, document, arrays, comm.Get_rank())
+            index = catalog.encode()
+            _create(f, catalog, index, root_attributes)
+            _write_own(f, catalog, index, arrays, comm.Get_rank())
         except Exception as failure:
             error = failure
         finally:
@@ -119,14 +126,14 @@ def _write_parallel(temporary: str, catalog: Catalog, root_attributes: dict, arr
 def _write_serial(temporary: str, catalog: Catalog, root_attributes: dict, arrays: Arrays,
                   comm: MPI.Intracomm) -> Optional[Exception]:
     error = None
-    document = catalog.to_bytes() if comm.Get_rank() == 0 else np.empty(0, np.uint8)
+    index = catalog.encode()
     for turn in range(comm.Get_size()):
         if turn == comm.Get_rank():
             try:
                 with h5py.File(temporary, "w" if turn == 0 else "r+") as f:
                     if turn == 0:
-                        _create(f, catalog, document, root_attributes)
-                    _write_own(f, catalog, document, arrays, turn)
+                        _create(f, catalog, index, root_attributes)
+                    _write_own(f, catalog, index, arrays, turn)
             except Exception as failure:
                 error = failure
         comm.Barrier()
@@ -142,14 +149,16 @@ def write(path: str, snapshot: Snapshot, comm: MPI.Intracomm, keep: Optional[int
     path = os.path.abspath(path)
     rank = comm.Get_rank()
     what = f"saving checkpoint {path}"
-    error, layout, arrays = None, [], []
+    error, arrays, layout = None, [], ([], [], [], [])
     try:
         if keep is not None and keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
         for name, tensor in snapshot.datasets:
             array = fmt.to_numpy(tensor)
             arrays.append((name, array))
-            layout.append((name, tuple(tensor.shape), fmt.dtype_name(tensor.dtype), fmt.checksum(array)))
+            for column, value in zip(layout, (name, tuple(tensor.shape),
+                                              fmt.dtype_name(tensor.dtype), fmt.checksum(array))):
+                column.append(value)
         if rank == 0:
             os.makedirs(os.path.dirname(path), exist_ok=True)
     except Exception as failure:
@@ -157,16 +166,16 @@ def write(path: str, snapshot: Snapshot, comm: MPI.Intracomm, keep: Optional[int
     agree(comm, error, what, fmt.CheckpointError)
 
     gathered = comm.allgather((layout, snapshot.attributes))
-    layout = [entry for part, _ in gathered for entry in part]
+    names, shapes, dtypes, crcs = ([value for part, _ in gathered for value in part[c]]
+                                   for c in range(4))
     attributes: Dict[str, dict] = {}
     for _, part in gathered:
         for node, attrs in part.items():
             attributes.setdefault(node, {}).update(attrs)
-    names = [entry[0] for entry in layout]
     if len(set(names)) != len(names):
-        duplicate = next(n for n in names if names.count(n) > 1)
+        duplicate = next(n for n, count in Counter(names).items() if count > 1)
         raise fmt.CheckpointError(f"{what}: dataset {duplicate!r} is written by two ranks")
-    catalog = Catalog.lay_out(layout, attributes)
+    catalog = Catalog.lay_out(names, shapes, dtypes, crcs, attributes)
     root_attributes = attributes.get("", {})
 
     temporary = comm.bcast(files.temporary_name(path) if rank == 0 else None, root=0)
