@@ -4,13 +4,19 @@ from __future__ import annotations
 
 from typing import Optional, Type
 
+import numpy as np
 from mpi4py import MPI
 
 
 def agree(comm: MPI.Intracomm, error: Optional[BaseException], what: str,
           exc_type: Type[Exception] = RuntimeError) -> None:
-    """Raise ``exc_type`` on every rank if ``error`` is set on any. Collective (one small
-    allgather). The message names each failing rank and its error."""
+    """Raise ``exc_type`` on every rank if ``error`` is set on any. Collective: one allreduce
+    of a flag; only after a failure, an allgather of the messages. The message names each
+    failing rank and its error."""
+    failures = np.array([error is not None], dtype=np.int32)
+    comm.Allreduce(MPI.IN_PLACE, failures, op=MPI.SUM)
+    if not failures[0]:
+        return
     message = None if error is None else f"{type(error).__name__}: {error}"
     messages = comm.allgather(message)
     failed = [(rank, m) for rank, m in enumerate(messages) if m is not None]

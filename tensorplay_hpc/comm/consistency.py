@@ -6,12 +6,14 @@ import hashlib
 import os
 from typing import Any, Iterable, List, Sequence, Tuple
 
+import numpy as np
 import torch
 from mpi4py import MPI
 
 DEBUG_ENV = "TENSORPLAY_HPC_DEBUG"
 
 Item = Tuple[str, Any]
+_DIGEST_BYTES = hashlib.sha1().digest_size
 
 
 def debug_enabled() -> bool:
@@ -25,17 +27,30 @@ def tensor_signature(names: Iterable[str], tensors: Iterable[torch.Tensor]) -> L
             for name, t in zip(names, tensors)]
 
 
-def _digest(items: Sequence[Item]) -> str:
-    return hashlib.sha1(repr(list(items)).encode()).hexdigest()
+def _digest(items: Sequence[Item]) -> bytes:
+    return hashlib.sha1(repr(list(items)).encode()).digest()
+
+
+def gather_digests(comm: MPI.Intracomm, digest: bytes) -> List[bytes]:
+    """Every rank's 20-byte ``digest``, in rank order. Collective: one ``Allgather`` of a flat
+    buffer."""
+    mine = np.frombuffer(digest, dtype=np.uint8)
+    if mine.size != _DIGEST_BYTES:
+        raise ValueError(f"a digest has {_DIGEST_BYTES} bytes, got {mine.size} "
+                         f"(rank {comm.Get_rank()})")
+    every = np.empty((comm.Get_size(), _DIGEST_BYTES), dtype=np.uint8)
+    comm.Allgather(mine, every)
+    return [row.tobytes() for row in every]
 
 
 def check_consistent(comm: MPI.Intracomm, what: str, items: Sequence[Item]) -> None:
     """Raise ``ValueError`` on every rank unless all ranks pass equal ``items``. Collective.
 
-    One allgather of a 40-byte digest when the ranks agree; on a mismatch the items themselves
-    are gathered so that the message names the ranks and the first item that differs.
+    One ``Allgather`` of a 20-byte digest when the ranks agree; on a mismatch the items
+    themselves are gathered so that the message names the ranks and the first item that
+    differs.
     """
-    digests = comm.allgather(_digest(items))
+    digests = gather_digests(comm, _digest(items))
     if len(set(digests)) == 1:
         return
     everyone = comm.allgather(list(items))
