@@ -22,7 +22,8 @@ def group_by_dtype_device(tensors: Iterable[torch.Tensor]) -> "OrderedDict[Key, 
 
 
 class FlatBuffer:
-    """A 1-D ``buffer`` holding tensors of the given shapes back to back.
+    """A 1-D ``buffer`` holding tensors of the given shapes back to back (``shapes`` may be
+    tensors standing in for their shapes, which makes :attr:`views` faster to build).
 
     ``views[i]`` is a view of the buffer shaped like tensor ``i`` and ``offsets[i]`` is where it
     starts, in elements; both are made on first use, so a buffer packed for one collective and
@@ -67,6 +68,8 @@ class FlatBuffer:
 
     @functools.cached_property
     def views(self) -> List[torch.Tensor]:
+        if self._layout and isinstance(self._layout[0], torch.Tensor):
+            return list(_unflatten_dense_tensors(self.buffer, self._layout))   # in C++: fast
         return [part.view(shape) for part, shape in zip(self.buffer.split(self.numels), self.shapes)]
 
     def copy_from(self, tensors: Sequence[torch.Tensor]) -> None:

@@ -26,7 +26,7 @@ class ShardBuffer:
                  as_bucket_view: bool) -> None:
         self.params: List[torch.Tensor] = [p for params in params_per_rank for p in params]
         first = self.params[0]
-        self.flat = comm.FlatBuffer([p.shape for p in self.params], first.dtype, first.device)
+        self.flat = comm.FlatBuffer(self.params, first.dtype, first.device)
         self.counts = [sum(p.numel() for p in params) for params in params_per_rank]
         begin = sum(len(params) for params in params_per_rank[:rank])
         end = begin + len(params_per_rank[rank])
