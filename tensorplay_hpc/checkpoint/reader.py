@@ -121,6 +121,10 @@ class Reader:
         return self.catalog.shape(row), fmt.torch_dtype(self.catalog.dtypes[
             self.catalog.columns[row, DTYPE]])
 
+    def shapes(self, names: Sequence[str]) -> List[Tuple[int, ...]]:
+        """The shapes of the tensors ``names`` (from the catalog, no values read)."""
+        return [self.catalog.shape(self._row(name)) for name in names]
+
     def _values(self, names: Sequence[str]) -> Iterator[Tuple[int, int, np.ndarray]]:
         """``(position in names, row, flat stored values)`` of every tensor of ``names``, checksums
         verified. Tensors of their own dataset are read one by one; packed ones in file order,

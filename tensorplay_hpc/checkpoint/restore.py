@@ -62,9 +62,9 @@ def check_model(reader: Reader, model: torch.nn.Module, prefix: str) -> List[str
             + (f"missing from the file: {missing[:5]}" if missing else "")
             + ("; " if missing and unexpected else "")
             + (f"not in the model: {unexpected[:5]}" if unexpected else ""))
-    for key, tensor in expected.items():
-        shape = tuple(reader.describe(fmt.model_name(key, prefix))[0])
-        if shape != tuple(tensor.shape):
+    saved_shapes = reader.shapes([fmt.model_name(key, prefix) for key in expected])
+    for (key, tensor), shape in zip(expected.items(), saved_shapes):
+        if shape != tensor.shape:
             raise fmt.CheckpointError(f"{reader.path}: model entry {key!r} has shape {shape} in "
                                       f"the file, {tuple(tensor.shape)} in the model")
     return list(expected)
