@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
+import numpy as np
 import torch
 from mpi4py import MPI
 
@@ -213,7 +214,9 @@ def gather(input: torch.Tensor, comm: MPI.Intracomm, root: int = 0,
     """
     rank = comm.Get_rank()
     if counts is None:
-        counts = comm.allgather(input.numel())
+        counts = np.empty(comm.Get_size(), dtype=np.int64)
+        comm.Allgather(np.array([input.numel()], dtype=np.int64), counts)
+        counts = counts.tolist()
     counts = _check_counts(counts, comm, sum(int(c) for c in counts), "gather")
     if input.numel() != counts[rank]:
         raise ValueError(f"gather: rank {rank} sends {input.numel()} elements, counts say "

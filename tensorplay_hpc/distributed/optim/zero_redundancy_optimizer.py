@@ -319,7 +319,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """Raise ``ValueError`` on every rank unless all ranks train the same parameters (else
         their shards' sizes would differ). Collective: one allgather of a digest; the parameters
         are compared one by one only when the digests differ."""
-        digests = self._group.comm.allgather(hashlib.sha1(trainable).digest())
+        digests = comm.gather_digests(self._group.comm, hashlib.sha1(trainable).digest())
         if len(set(digests)) > 1:
             comm.check_consistent(
                 self._group.comm, "ZeroRedundancyOptimizer.step: requires_grad must be the same "
