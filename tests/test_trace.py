@@ -13,6 +13,8 @@ from mpi4py import MPI
 from launch import mpiexec, only_in_single_rank_run
 from tensorplay_hpc import comm
 from tensorplay_hpc.comm import trace
+from tensorplay_hpc.comm.capabilities import TRANSPORT_ENV
+from tensorplay_hpc.distributed import rma
 from tensorplay_hpc.train.config import TrainConfig
 from tensorplay_hpc.train.loop import train
 from tensorplay_hpc.train.timeline import TIMELINE_FILE
@@ -76,6 +78,27 @@ def test_ring_and_trace_hold_a_known_sequence(world, traced):
         assert len(every) == world.size * len(events)
     else:
         assert merged is None
+
+
+@pytest.mark.parametrize("transport", ["shared", "mpi", "served"])
+def test_one_sided_operations_are_recorded_with_their_epoch(world, monkeypatch, transport):
+    if transport == "served" and world.size == 1:
+        pytest.skip("a served window reads its own rank's memory without a message")
+    monkeypatch.setenv(TRANSPORT_ENV, transport)
+    owner = (world.rank + 1) % world.size
+    with rma.share([torch.full((5,), float(world.rank))]) as shared:
+        assert shared.transport == transport
+        with trace.caller("fetch test"):
+            value = shared.fetch(shared.refs_of(owner)[0])
+        last = trace.recent()[-2:]
+        world.Barrier()   # no rank frees the windows while another still reads
+    assert value.tolist() == [float(owner)] * 5
+    name = f"MPI_COMM_WORLD (private duplicate) of {world.size} ranks"
+    assert [(op.name, op.kind, op.nbytes, op.comm, op.caller) for op in last] == [
+        (f"shared epoch on rank {owner}", "rma", 0, name, "fetch test"),
+        (f"get from rank {owner}", "rma", 20, name, "fetch test")]
+    epoch, get = last
+    assert epoch.start <= get.start <= get.end <= epoch.end
 
 
 @pytest.mark.timeout(120)

@@ -83,8 +83,10 @@ class ProcessGroup:
         self._comm: MPI.Intracomm = self.parent.Dup()
         self.rank: int = self._comm.Get_rank()
         self.size: int = self._comm.Get_size()
-        self._comm.Set_name(f"{self.parent.Get_name() or 'unnamed'} (private duplicate) of "
-                            f"{self.size} ranks")   # as traces and reports name it
+        # As traces name it; a duplicate of a duplicate keeps the name.
+        name = self.parent.Get_name() or "unnamed"
+        suffix = f" (private duplicate) of {self.size} ranks"
+        self._comm.Set_name(name if name.endswith(suffix) else name + suffix)
         watchdog.register(self._comm, self._describe())
         _live.add(self)
         self._finalizer = weakref.finalize(self, _forget, self._comm)

@@ -34,7 +34,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Type
 
 import torch
 
-from tensorplay_hpc.comm import agree
+from tensorplay_hpc.comm import agree, trace
 from tensorplay_hpc.comm.consistency import check_consistent
 from tensorplay_hpc.comm.dtypes import reduce_dtype
 from tensorplay_hpc.distributed import autograd
@@ -388,7 +388,8 @@ class DistributedOptimizer(ClosesCollectively):
             unlearned = [ref for ref in refs if (owner, ref.index) in self._unlearned]
             if unlearned:
                 self._step_unlearned(owner, unlearned, context_id)  # raises
-            self._step_owner(owner, refs, context_id)
+            with trace.caller(f"DistributedOptimizer step on rank {owner}"):
+                self._step_owner(owner, refs, context_id)
 
     def _step_unlearned(self, owner: int, refs: List[RemoteRef], context_id: int) -> None:
         """Run the optimizer on copies of ``refs``, whose state layout is unknown, and raise its
