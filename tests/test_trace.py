@@ -80,6 +80,19 @@ def test_ring_and_trace_hold_a_known_sequence(world, traced):
         assert merged is None
 
 
+@pytest.mark.mpi(min_size=2)
+def test_write_refuses_a_trace_on_some_ranks_only(world, folder):
+    if world.rank == 0:
+        trace.enable(folder)
+    try:
+        with pytest.raises(RuntimeError, match=rf"tracing is on for ranks \[0\] only, of "
+                                               rf"{world.size} \(rank {world.rank}\)"):
+            trace.write(world)
+    finally:
+        trace.disable()
+    assert trace.write(world) is None
+
+
 @pytest.mark.parametrize("transport", ["shared", "mpi", "served"])
 def test_one_sided_operations_are_recorded_with_their_epoch(world, monkeypatch, transport):
     if transport == "served" and world.size == 1:

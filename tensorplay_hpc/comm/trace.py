@@ -224,11 +224,21 @@ def write(comm: Optional[MPI.Intracomm] = None) -> Optional[Path]:
     ``comm`` (default ``MPI.COMM_WORLD``), whose ranks are the trace's processes.
 
     The ranks' clocks are aligned at a barrier taken here: time 0 is the earliest operation of
-    any rank."""
+    any rank.
+
+    Raises:
+        RuntimeError: on every rank, when tracing is on for some ranks only (set
+            ``TENSORPLAY_HPC_TRACE`` for every rank, e.g. ``mpiexec -x``).
+    """
     global _written
-    if _kept is None or _directory is None:
-        return None
     comm = comm or MPI.COMM_WORLD
+    tracing = comm.allgather(_kept is not None)
+    if not any(tracing):
+        return None
+    if not all(tracing):
+        raise RuntimeError(f"trace.write: tracing is on for ranks "
+                           f"{[r for r, on in enumerate(tracing) if on]} only, of "
+                           f"{len(tracing)} (rank {comm.Get_rank()}): enable it on every rank")
     operations = list(_kept)
     comm.Barrier()
     here = perf_counter()

@@ -44,6 +44,8 @@ def _window(spans: Dict[int, List[Span]], steps: int) -> Tuple[float, float, Lis
                    key=lambda name: int(name.split()[1]))[-steps:]
     chosen = [s for rank in spans.values() for s in rank if s[1] == "compute" and s[0] in names]
     every = chosen or [s for rank in spans.values() for s in rank]
+    if not every:
+        return 0.0, 1.0, names
     return min(s[2] for s in every), max(s[3] for s in every), names
 
 
