@@ -2,6 +2,7 @@
 middle of a save."""
 import os
 import resource
+import uuid
 
 import pytest
 import torch
@@ -71,3 +72,17 @@ def test_full_disk_during_save_is_an_error_and_keeps_last_checkpoint(tmp_path):
     assert "File too large" in run.stdout or "too large" in run.stdout.lower(), run.stdout
     assert "rank 0 loaded step 1" in run.stdout and "rank 1 loaded step 1" in run.stdout
     assert [n for n in os.listdir(tmp_path) if ".tmp-" in n] == []
+
+
+@pytest.mark.timeout(300)
+def test_a_folder_that_other_nodes_do_not_see_is_an_error_on_every_rank(simulated_nodes):
+    """Each simulated node has a /tmp of its own: ranks 2 and 3 (the second node) cannot see
+    the file rank 0 creates there. Without the check, MPI-IO's collective open waits forever."""
+    folder = f"/tmp/tensorplay-node-local-{uuid.uuid4().hex[:8]}"
+    run = mpiexec(4, [JOB, "save", f"{folder}/ck.h5", "1"], nodes=simulated_nodes, timeout=120)
+    assert run.returncode != 0
+    output = run.stdout + run.stderr
+    assert "failed on 2 of 4 ranks: rank 2: FileNotFoundError" in output, output[-3000:]
+    assert "rank 3: FileNotFoundError" in output
+    assert "not on a file system that every rank shares" in output
+    assert not os.path.exists(folder)       # this machine's /tmp is neither node's

@@ -34,6 +34,21 @@ def temporary_name(path: str) -> str:
     return f"{path}{TEMP_MARK}{uuid.uuid4().hex[:12]}"
 
 
+def create_empty(path: str) -> None:
+    """Create ``path``, empty, failing if it exists."""
+    os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+
+
+def check_visible(temporary: str) -> None:
+    """Raise ``OSError`` unless this rank sees ``temporary``, which the first rank has just
+    created. On a folder that is not one file system for every rank (a node-local ``/tmp``),
+    MPI-IO's collective open would otherwise wait forever for ranks that failed to open it."""
+    if not os.path.exists(temporary):
+        raise OSError(errno.ENOENT, f"this rank does not see {temporary}, which rank 0 has just "
+                                    "created: the folder is not on a file system that every "
+                                    "rank shares (a node-local path such as /tmp?)")
+
+
 def check_space(path: str, nbytes: int) -> None:
     """Fail now, with the system's error, if a file of ``nbytes`` cannot be written next to
     ``path`` (full disk, quota, file-size limit): the space is reserved, then given back.

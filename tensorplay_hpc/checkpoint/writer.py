@@ -183,9 +183,21 @@ def write(path: str, snapshot: Snapshot, comm: MPI.Intracomm, keep: Optional[int
     if rank == 0:
         try:
             files.check_space(path, _file_size(catalog))
+            files.create_empty(temporary)
         except OSError as failure:
             error = failure
     agree(comm, error, what, fmt.CheckpointError)
+    error = None
+    try:
+        files.check_visible(temporary)
+    except OSError as failure:
+        error = failure
+    try:
+        agree(comm, error, what, fmt.CheckpointError)
+    except fmt.CheckpointError:
+        if rank == 0:
+            files.discard(temporary)
+        raise
     if parallel_available():
         error = _write_parallel(temporary, catalog, root_attributes, arrays, comm)
     else:
