@@ -51,8 +51,9 @@ def test_zero_with_50000_tiny_parameters_saves_and_loads_in_seconds(folder):
     _step(zero, seed=4)
     _step(resumed_zero, seed=4)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters()))
-    # Minutes before small tensors were packed; seconds since (the benchmarks say how many).
-    assert elapsed < 60, f"construction, a step, save and load took {elapsed:.1f} s"
+    # Over 300 s before small tensors were packed, 13 s with format 3's catalog, under 10 s since
+    # (docs/performance.md); the bound leaves room for a busy machine.
+    assert elapsed < 15, f"construction, a step, save and load took {elapsed:.1f} s"
 
 
 def test_packed_tensors_across_read_blocks_round_trip(folder):

@@ -15,7 +15,7 @@ from mpi4py import MPI
 
 from tensorplay_hpc.comm import ProcessGroup, agree
 
-from . import restore, snapshot, writer
+from . import collector, restore, snapshot, writer
 from .files import checkpoints, latest
 from .format import CheckpointError
 from .optimizers import Checkpointable
@@ -25,6 +25,7 @@ from .replicas import Replicas
 __all__ = ["CheckpointError", "Reader", "checkpoints", "latest", "load", "save"]
 
 
+@collector.paused()
 def save(path: str, model: Optional[torch.nn.Module] = None,
          optimizer: Optional[Checkpointable] = None, extra: Optional[Dict[str, Any]] = None,
          process_group: Optional[MPI.Intracomm] = None, keep: Optional[int] = None,
@@ -67,6 +68,7 @@ def save(path: str, model: Optional[torch.nn.Module] = None,
         group.close()
 
 
+@collector.paused()
 def load(path: str, model: Optional[torch.nn.Module] = None,
          optimizer: Optional[Checkpointable] = None,
          process_group: Optional[MPI.Intracomm] = None,
