@@ -19,9 +19,6 @@ import griffe
 
 _ROLE = re.compile(r":(?:py:)?(class|func|meth|mod|attr|exc|data|obj):`(~?)([^`<>]+)`")
 _CALLABLE_ROLES = {"func", "meth"}
-# An argument entry naming several arguments over two lines: "a, b,\n    c: ...".
-_NAMES_GO_ON = re.compile(
-    r"^(?P<names>[ \t]+(?:[\w*]+, )+[\w*]+,)\n[ \t]+(?=[\w*]+(?:, [\w*]+)*:)", re.MULTILINE)
 # reStructuredText's "::" ending the line before a literal block; Markdown needs only the indent.
 _LITERAL_BLOCK = re.compile(r"(?<=\S)::$", re.MULTILINE)
 
@@ -32,8 +29,7 @@ class SphinxRoles(griffe.Extension):
     def on_package(self, *, pkg: griffe.Module, loader: griffe.GriffeLoader, **kwargs) -> None:
         for obj in _objects(pkg):
             if obj.docstring is not None:
-                text = _NAMES_GO_ON.sub(r"\g<names> ", obj.docstring.value)
-                text = _LITERAL_BLOCK.sub(":", text)
+                text = _LITERAL_BLOCK.sub(":", obj.docstring.value)
                 obj.docstring.value = _ROLE.sub(
                     lambda match: _reference(match, obj, loader.modules_collection), text)
 

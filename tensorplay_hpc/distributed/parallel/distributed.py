@@ -81,7 +81,10 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         gradient_as_bucket_view: gradients are views into the bucket buffers (fewer copies).
         static_graph: the same parameters are used in every iteration (see
             :meth:`_set_static_graph`).
-        delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision, device_mesh,
+        delay_all_reduce_named_params: not supported here (``NotImplementedError``).
+        param_to_hook_all_reduce: not supported here (``NotImplementedError``).
+        mixed_precision: not supported here (``NotImplementedError``).
+        device_mesh: not supported here (``NotImplementedError``).
         bucket_cap_mb_list: not supported here (``NotImplementedError``).
         skip_all_reduce_unused_params: only ``False`` (``True`` is ``NotImplementedError``).
         batched_grad_copy: accepted; the gradients are copied into the buckets as they arrive
