@@ -8,7 +8,7 @@ import torch
 from mpi4py import MPI
 
 from tensorplay_hpc import comm
-from tensorplay_hpc.comm import group as group_module
+from tensorplay_hpc.comm import lifetime
 from tensorplay_hpc.distributed.algorithms.model_averaging.utils import average_parameters
 from tensorplay_hpc.distributed.optim import ZeroRedundancyOptimizer
 from tensorplay_hpc.distributed.parallel import DistributedDataParallel
@@ -89,12 +89,12 @@ def test_thousand_steps_without_leaks():
 
     steps(100)    # warm up: allocator pools, caches
     gc.collect()
-    groups_before = len(group_module.live_groups())
+    groups_before = len(lifetime.live())
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss   # KiB
     steps(1000)
     gc.collect()
     grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before
-    assert len(group_module.live_groups()) == groups_before
+    assert len(lifetime.live()) == groups_before
     assert grown_kib < 20 * 1024, f"peak memory grew by {grown_kib} KiB over 1000 steps"
     # the replicas stayed identical
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])

@@ -1,7 +1,8 @@
 """The communication layer: the only code that turns tensors into MPI buffers.
 
 - :mod:`.group` resolves process groups and holds the library's private communicator
-  (:mod:`.private` caches one on a user's communicator);
+  (:mod:`.private` caches one on a user's communicator); :mod:`.lifetime` is the rule for
+  freeing the library's communicators and windows (``close()``, never the garbage collector);
 - :mod:`.dtypes` maps torch dtypes and reductions to MPI;
 - :mod:`.staging` hands tensor memory to MPI (zero-copy, or staged and copied back);
 - :mod:`.chunking` splits messages longer than MPI's count limit, and large allreduces into
@@ -29,13 +30,14 @@ from .cuda import CUDA_AWARE_ENV, device_for_rank, is_cuda_aware, local_rank
 from .dtypes import ReduceOp
 from .flat_buffer import FlatBuffer, group_by_dtype_device, pack_by_dtype_device
 from .group import ProcessGroup, is_member, resolve
+from .lifetime import Closeable
 from .node_layout import NodeLayout
 from .private import private_comm
 from .staging import Staged, memory
 from .work import Work
 
 __all__ = [
-    "CHUNK_ENV", "CUDA_AWARE_ENV", "FlatBuffer", "NodeLayout", "PIECE_ENV", "ProcessGroup",
+    "CHUNK_ENV", "CUDA_AWARE_ENV", "Closeable", "FlatBuffer", "NodeLayout", "PIECE_ENV", "ProcessGroup",
     "ReduceOp", "Staged", "Work", "abort_on_exception", "agree", "all_gather", "all_gather_v",
     "all_reduce", "all_reduce_coalesced", "broadcast", "broadcast_coalesced", "capabilities",
     "check_consistent", "chunk_elements", "chunks", "device_for_rank", "gather", "gather_digests",

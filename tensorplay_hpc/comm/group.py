@@ -1,12 +1,13 @@
 """Process groups: mpi4py intracommunicators, and the private duplicate the library talks on."""
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Optional
 
 from mpi4py import MPI
 
-from . import watchdog
+from . import lifetime, watchdog
 
 
 def _kind(process_group: object) -> str:
@@ -41,45 +42,48 @@ def is_member(process_group: Optional[MPI.Comm]) -> bool:
     return resolve(process_group) != MPI.COMM_NULL
 
 
-_live: "weakref.WeakSet[ProcessGroup]" = weakref.WeakSet()
-
-
-def live_groups() -> list:
-    """The process groups whose private communicator has not been freed yet."""
-    return [group for group in _live if not group.closed]
-
-
-def _free(comm: MPI.Comm) -> None:
+def _free(comm: MPI.Comm, token: int) -> None:
     """Stop watching ``comm`` and free it. Collective."""
     if not MPI.Is_finalized() and comm != MPI.COMM_NULL:
         watchdog.unregister(comm)
         comm.Free()
+    lifetime.untrack(token)
 
 
-def _forget(comm: MPI.Comm) -> None:
-    """Stop watching ``comm`` without freeing it: ``MPI_Finalize`` does. Local, for a group
-    collected without :meth:`ProcessGroup.close`: ranks collect an object at different moments,
-    and a free is collective (Open MPI's can wait for the other ranks, so a free at collection
-    time can deadlock against a collective running on another rank)."""
+def _collected_unclosed(comm: MPI.Comm, token: int) -> None:
+    """Stop watching ``comm`` without freeing it, and warn: ``MPI_Finalize`` frees it (see
+    :mod:`.lifetime`: a free is collective, and ranks collect objects at different moments).
+    Local."""
     watchdog.forget(comm)
+    description = lifetime.leave_to_finalize(token)
+    warnings.warn(f"{description} was collected without close() (world rank "
+                  f"{MPI.COMM_WORLD.Get_rank()}): it stays allocated until MPI_Finalize; call "
+                  "its owner's close() on every rank, or use the owner as a context manager",
+                  ResourceWarning, stacklevel=2)
 
 
-class ProcessGroup:
+class ProcessGroup(lifetime.Closeable):
     """A private duplicate (``Dup``) of a user's communicator, so library traffic never matches
     the user's own messages. Collective: construct it on every rank of the group. When the
     :mod:`.watchdog` is on, its collectives are watched.
 
-    The duplicate is freed by :meth:`close`; a group collected without it keeps its duplicate
-    until ``MPI_Finalize`` (see :func:`_forget`). :attr:`comm` raises ``RuntimeError`` after
-    :meth:`close`.
+    The duplicate is freed by :meth:`close` (collective; ``with group:`` closes on a normal
+    exit). A group collected without it warns and keeps its duplicate until ``MPI_Finalize``
+    (the rule of :mod:`.lifetime`). :attr:`comm` raises ``RuntimeError`` after :meth:`close`.
+
+    Args:
+        process_group: the user's communicator; ``None`` is ``MPI.COMM_WORLD``.
+        owner: what owns the group, as errors and warnings name it (``"ZeroRedundancyOptimizer"``).
     """
 
-    def __init__(self, process_group: Optional[MPI.Comm] = None) -> None:
+    def __init__(self, process_group: Optional[MPI.Comm] = None,
+                 owner: str = "ProcessGroup") -> None:
         self.parent = resolve(process_group)
         if self.parent == MPI.COMM_NULL:
             raise ValueError(
                 f"world rank {MPI.COMM_WORLD.Get_rank()} is not a member of the process group "
                 "(it holds MPI.COMM_NULL)")
+        self.owner = owner
         self._comm: MPI.Intracomm = self.parent.Dup()
         self.rank: int = self._comm.Get_rank()
         self.size: int = self._comm.Get_size()
@@ -88,17 +92,22 @@ class ProcessGroup:
         suffix = f" (private duplicate) of {self.size} ranks"
         self._comm.Set_name(name if name.endswith(suffix) else name + suffix)
         watchdog.register(self._comm, self._describe())
-        _live.add(self)
-        self._finalizer = weakref.finalize(self, _forget, self._comm)
+        self._token = lifetime.track(f"{owner}: communicator {self._comm.Get_name()}")
+        self._finalizer = weakref.finalize(self, _collected_unclosed, self._comm, self._token)
+        self._finalizer.atexit = False   # at exit MPI_Finalize frees it, without a warning
 
     @property
     def comm(self) -> MPI.Intracomm:
         """The private duplicate. Raises ``RuntimeError`` once the group is closed."""
+        self.check_open()
+        return self._comm
+
+    def check_open(self) -> None:
+        """Raise ``RuntimeError``, naming the owner and the rank, once the group is closed."""
         if self.closed:
             raise RuntimeError(
-                f"ProcessGroup is closed: its private duplicate was freed by close() "
+                f"{self.owner} is closed: close() freed its private communicator "
                 f"(world rank {MPI.COMM_WORLD.Get_rank()})")
-        return self._comm
 
     @property
     def closed(self) -> bool:
@@ -112,7 +121,7 @@ class ProcessGroup:
     def close(self) -> None:
         """Free the private communicator. Collective; closing again does nothing."""
         if self._finalizer.detach() is not None:
-            _free(self._comm)
+            _free(self._comm, self._token)
 
     def __repr__(self) -> str:
         state = ", closed" if self.closed else ""

@@ -32,6 +32,6 @@ def private_comm(process_group: Optional[MPI.Comm] = None) -> MPI.Comm:
         return MPI.COMM_NULL
     group = parent.Get_attr(_KEYVAL)
     if group is None:
-        group = ProcessGroup(parent)
+        group = ProcessGroup(parent, owner="the library's cache on a user's communicator")
         parent.Set_attr(_KEYVAL, group)
     return group.comm

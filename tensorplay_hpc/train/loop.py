@@ -78,10 +78,11 @@ def _check_run_folder(config: TrainConfig, world: MPI.Intracomm) -> None:
         raise problem
 
 
-class Run:
+class Run(comm.Closeable):
     """One training run on every rank of ``world``: build, maybe resume, train, report.
 
-    Collective: construct it and call :meth:`train` on every rank.
+    Collective: construct it, call :meth:`train` and :meth:`close` (or use it as a context
+    manager) on every rank.
     """
 
     def __init__(self, config: TrainConfig, world: MPI.Intracomm = MPI.COMM_WORLD) -> None:
@@ -89,7 +90,7 @@ class Run:
         if config.trace is not None:
             trace.enable(config.trace)
         self.config = config
-        self.group = comm.ProcessGroup(world)
+        self.group = comm.ProcessGroup(world, owner="the training run")
         self.world = world
         torch.set_num_threads(_threads_per_rank(world, config.threads))
         self.device = _device(config, world)
@@ -104,6 +105,11 @@ class Run:
             self.corpus.validation, seed=config.seed, batches=config.eval_batches,
             batch_size=config.batch_size, context=config.context, rank=self.group.rank,
             world_size=self.group.size)]
+
+    def close(self) -> None:
+        """Free the communicators of the model, the optimizer and the run. Collective."""
+        self.strategy.close()
+        self.group.close()
 
     # -- pieces -----------------------------------------------------------------------------
 
@@ -298,7 +304,8 @@ def train(config: TrainConfig, world: MPI.Intracomm = MPI.COMM_WORLD,
     Pass ``preemption`` entered early (before the slow imports and setup) to catch signals
     that arrive during startup; by default the run catches them from here on."""
     if preemption is not None:
-        return Run(config, world).train(preemption)
-    with Preemption() as caught:
-        return Run(config, world).train(caught)
+        with Run(config, world) as run:
+            return run.train(preemption)
+    with Preemption() as caught, Run(config, world) as run:
+        return run.train(caught)
 

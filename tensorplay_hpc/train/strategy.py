@@ -10,8 +10,8 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Type
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Type
 
 import torch
 from mpi4py import MPI
@@ -45,13 +45,20 @@ class Strategy:
         model: what the training step calls (``module`` or its DistributedDataParallel wrapper).
         optimizer: the optimizer to step (collective for every kind but a plain one).
         after_backward: runs after ``backward()`` (the ``local`` kind averages gradients here).
+        owned: what holds library communicators, closed by :meth:`close`.
     """
 
     module: nn.Module
     model: nn.Module
     optimizer: torch.optim.Optimizer
     after_backward: Callable[[], None]
+    owned: List[comm.Closeable] = field(default_factory=list)
     _hook_state: Optional[PostLocalSGDState] = None
+
+    def close(self) -> None:
+        """Free the communicators of the model wrapper, the optimizer and the hook. Collective."""
+        for owner in self.owned:
+            owner.close()
 
     def resumed_at(self, step: int) -> None:
         """Bring state kept outside the checkpoint (the post-local hook's warm-up counter) to
@@ -89,10 +96,10 @@ def build(module: nn.Module, config: TrainConfig, group: comm.ProcessGroup) -> S
     if config.optimizer == "zero":
         optimizer = ZeroRedundancyOptimizer(module.parameters(), optimizer_class=inner,
                                             process_group=group.parent, **defaults)
-        return Strategy(module, model, optimizer, _gradients_already_averaged)
+        return Strategy(module, model, optimizer, _gradients_already_averaged, [model, optimizer])
     if config.optimizer == "ddp":
         return Strategy(module, model, inner(module.parameters(), **defaults),
-                        _gradients_already_averaged)
+                        _gradients_already_averaged, [model])
     state = PostLocalSGDState(process_group=group.parent, subgroup=None,
                               start_localSGD_iter=config.warmup_steps)
     model.register_comm_hook(state, post_localSGD_hook)
@@ -100,5 +107,6 @@ def build(module: nn.Module, config: TrainConfig, group: comm.ProcessGroup) -> S
                                                warmup_steps=config.warmup_steps,
                                                process_group=group.parent)
     optimizer = PostLocalSGDOptimizer(inner(module.parameters(), **defaults), averager)
-    return Strategy(module, model, optimizer, _gradients_already_averaged, state)
+    return Strategy(module, model, optimizer, _gradients_already_averaged,
+                    [model, averager, state], state)
 

@@ -124,7 +124,7 @@ class Join:
             if not _same_group(parent, comm.resolve(joinable.join_process_group)):
                 raise ValueError("Using join context manager with multiple process groups")
         self._device = self._joinables[0].join_device
-        self._group = comm.ProcessGroup(parent)
+        self._group = comm.ProcessGroup(parent, owner="Join")
         self._rank = self._group.rank
         self._pending: List[comm.Work] = []
         for position, joinable in enumerate(self._joinables):

@@ -34,14 +34,13 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Type
 
 import torch
 
-from tensorplay_hpc.comm import agree, trace
+from tensorplay_hpc.comm import Closeable, agree, trace
 from tensorplay_hpc.comm.consistency import check_consistent
 from tensorplay_hpc.comm.dtypes import reduce_dtype
 from tensorplay_hpc.distributed import autograd
 from tensorplay_hpc.distributed.optim.optimizer_class import check_optimizer_class
 from tensorplay_hpc.distributed.rma import RemoteRef, by_owner
 from tensorplay_hpc.distributed.rma.buffer_pool import empty
-from tensorplay_hpc.distributed.rma.collective_close import ClosesCollectively
 from tensorplay_hpc.distributed.rma.layout import Layout, Spec
 from tensorplay_hpc.distributed.rma.transport import AnyWindow
 
@@ -112,7 +111,7 @@ def learn_state(optimizer_class: Type[torch.optim.Optimizer], shape: Tuple[int, 
             if value is not None], None
 
 
-class DistributedOptimizer(ClosesCollectively):
+class DistributedOptimizer(Closeable):
     """Apply ``optimizer_class`` to remote parameters with a context's gradients.
 
     Collective over the group the references were shared on: every rank constructs it (and

@@ -182,7 +182,7 @@ class _ZeROJoinHook(JoinHook):
             self.zero._step(None, notify=False)
 
 
-class ZeroRedundancyOptimizer(Optimizer, Joinable):
+class ZeroRedundancyOptimizer(Optimizer, Joinable, comm.Closeable):
     """Wrap an optimizer class and shard its state over the ranks of a group (ZeRO).
 
     Constructing it is collective over the group. Every rank must pass the same parameters in
@@ -217,7 +217,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                  **defaults: Any) -> None:
         check_optimizer_class(optimizer_class, "ZeroRedundancyOptimizer")
         self._initialized = False
-        self._group = comm.ProcessGroup(process_group)
+        self._group = comm.ProcessGroup(process_group, owner="ZeroRedundancyOptimizer")
         self.process_group = self._group.parent
         self.rank: int = self._group.rank
         self.world_size: int = self._group.size
@@ -261,6 +261,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 [[p.numel() for p in g["params"]] for g in self.param_groups], self.world_size))
             self._build_buffers()
         self._initialized = True
+
+    def close(self) -> None:
+        """Free the private communicator; a later step, consolidation or load raises
+        ``RuntimeError``. Collective over the process group; closing again does nothing. (Not in
+        PyTorch, whose process groups live until ``destroy_process_group``.)"""
+        self._group.close()
 
     def _init_local_optimizer(self, partition: Partition) -> None:
         self.partition = partition

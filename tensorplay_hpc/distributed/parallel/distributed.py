@@ -50,7 +50,7 @@ class _DDPJoinHook(JoinHook):
         self.ddp._sync_final_model(is_last_joiner)
 
 
-class DistributedDataParallel(torch.nn.Module, Joinable):
+class DistributedDataParallel(torch.nn.Module, Joinable, comm.Closeable):
     """Data parallelism over MPI, PyTorch's ``DistributedDataParallel`` for mpi4py groups.
 
     At construction, parameters and buffers are broadcast from rank 0 (one flat buffer per
@@ -125,7 +125,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                 forward_sync_buffers)
         except (TypeError, ValueError, RuntimeError, NotImplementedError) as failure:
             error = failure
-        self._group = comm.ProcessGroup(self.process_group)
+        self._group = comm.ProcessGroup(self.process_group, owner="DistributedDataParallel")
         outcome = "ok" if error is None else f"{type(error).__name__}: {error}"
         comm.check_consistent(self._group.comm, "DistributedDataParallel: the arguments", [
             ("outcome", outcome),
@@ -209,6 +209,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the module; prepares the gradient reduction of the next backward pass. Inside a
         join context, tells the ranks that have joined what to shadow."""
+        self._group.check_open()
         training = torch.is_grad_enabled()
         sync = training and self.require_backward_grad_sync
         Join.notify_join_context(self)
@@ -308,6 +309,13 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             yield
         finally:
             self.require_backward_grad_sync = previous
+
+    def close(self) -> None:
+        """Free the private communicator and remove the gradient hooks; a later forward pass
+        raises ``RuntimeError``. Collective over the process group; closing again does
+        nothing. The wrapped module is left as it is."""
+        self.reducer.close()
+        self._group.close()
 
     def register_comm_hook(self, state: Any, hook: Callable[[Any, GradBucket], Any]) -> None:
         """Reduce each bucket with ``hook(state, bucket)`` instead of the built-in averaging.

@@ -199,7 +199,11 @@ class Reducer:
         # MPI from a second thread needs MPI_THREAD_MULTIPLE (mpi4py's default); without it the
         # buckets are reduced in the hooks, blocking.
         self._worker = CommThread() if MPI.Query_thread() == MPI.THREAD_MULTIPLE else None
-        weakref.finalize(self, _remove, handles, self._worker)
+        self._release = weakref.finalize(self, _remove, handles, self._worker)
+
+    def close(self) -> None:
+        """Remove the gradient hooks and stop the communication thread. Local."""
+        self._release()
 
     def _reset(self) -> None:
         self._ready = [False] * len(self.params)

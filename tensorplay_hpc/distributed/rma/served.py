@@ -67,7 +67,7 @@ class ServedWindow:
     shared_memory = False
 
     def __init__(self, communicator: MPI.Intracomm, nbytes: int) -> None:
-        self._group = comm.ProcessGroup(communicator)
+        self._group = comm.ProcessGroup(communicator, owner="ServedWindow")
         self._comm = self._group.comm
         self.rank = self._group.rank
         self._comm_name = trace.communicator_name(self._comm)

@@ -10,14 +10,13 @@ from tensorplay_hpc import comm
 from tensorplay_hpc.comm.dtypes import move_datatype, reduce_dtype
 
 from .buffer_pool import empty
-from .collective_close import ClosesCollectively
 from .layout import Layout
 from .progress import ProgressThread
 from .reference import RemoteRef, by_owner
 from .transport import AnyWindow, choose, make_window
 
 
-class SharedTensors(ClosesCollectively):
+class SharedTensors(comm.Closeable):
     """The tensors of every rank of a group, each in its owner's window memory.
 
     Two windows hold them, of the transport :func:`~.transport.choose` picked for the group
@@ -42,7 +41,7 @@ class SharedTensors(ClosesCollectively):
     def __init__(self, tensors: Sequence[torch.Tensor], process_group: Optional[MPI.Comm],
                  progress_thread: bool) -> None:
         self._closed = False
-        self._group = comm.ProcessGroup(process_group)
+        self._group = comm.ProcessGroup(process_group, owner="SharedTensors")
         self.rank, self.size = self._group.rank, self._group.size
         self._tensors = list(tensors)
         for i, tensor in enumerate(self._tensors):

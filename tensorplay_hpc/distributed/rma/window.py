@@ -22,7 +22,7 @@ import torch
 from mpi4py import MPI
 
 from tensorplay_hpc import comm
-from tensorplay_hpc.comm import trace
+from tensorplay_hpc.comm import lifetime, trace
 from tensorplay_hpc.comm.dtypes import move_datatype, reduce_dtype
 
 
@@ -59,6 +59,7 @@ class Window:
         self._segments: Dict[int, torch.Tensor] = {}
         self.rank = communicator.Get_rank()
         self._comm_name = trace.communicator_name(communicator)
+        self._token = lifetime.track(f"window of {nbytes} bytes on {self._comm_name}")
         if nbytes:
             self.local = torch.frombuffer(self.win.tomemory(), dtype=torch.uint8)
         else:
@@ -138,3 +139,4 @@ class Window:
         self._segments.clear()
         if self.win != MPI.WIN_NULL and not MPI.Is_finalized():
             self.win.Free()
+        lifetime.untrack(self._token)

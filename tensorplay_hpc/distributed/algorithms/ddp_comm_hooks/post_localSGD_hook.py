@@ -17,7 +17,7 @@ __all__ = ["PostLocalSGDState", "post_localSGD_hook"]
 logger = logging.getLogger(__name__)
 
 
-class PostLocalSGDState:
+class PostLocalSGDState(comm.Closeable):
     """State of :func:`post_localSGD_hook`. Collective: construct it on every rank.
 
     Args:
@@ -40,11 +40,12 @@ class PostLocalSGDState:
         self.start_localSGD_iter = start_localSGD_iter
         self.post_local_gradient_allreduce = post_local_gradient_allreduce
         self.iter = 0
+        self._closed = False
         self._global = private_comm(self.process_group)
         self._node: Optional[comm.ProcessGroup] = None
         if subgroup is None and post_local_gradient_allreduce:
             node = self._global.Split_type(MPI.COMM_TYPE_SHARED)
-            self._node = comm.ProcessGroup(node)
+            self._node = comm.ProcessGroup(node, owner="PostLocalSGDState")
             node.Free()
             subgroup = self._node.comm
         self.subgroup = subgroup
@@ -54,6 +55,20 @@ class PostLocalSGDState:
             if self._local == MPI.COMM_NULL:
                 raise ValueError(f"PostLocalSGDState: world rank {MPI.COMM_WORLD.Get_rank()} "
                                  "is not a member of the subgroup (it holds MPI.COMM_NULL)")
+
+    def close(self) -> None:
+        """Free the node communicator made when ``subgroup`` is ``None``. Collective over
+        ``process_group``; closing again does nothing. The duplicates cached on the user's
+        communicators go when those are freed (see :mod:`tensorplay_hpc.comm.private`)."""
+        if self._node is not None:
+            self._node.close()
+        self._closed = True
+
+    def check_open(self) -> None:
+        """Raise ``RuntimeError`` once :meth:`close` has run."""
+        if self._closed:
+            raise RuntimeError("PostLocalSGDState is closed: close() freed its communicators "
+                               f"(world rank {MPI.COMM_WORLD.Get_rank()})")
 
     def maybe_increase_iter(self, bucket) -> None:
         """Count an iteration at its last bucket."""
@@ -69,6 +84,7 @@ def post_localSGD_hook(state: PostLocalSGDState, bucket) -> BucketWork:
     ``post_local_gradient_allreduce`` is ``False``). Pair it with a model averager whose
     ``warmup_steps`` equals ``start_localSGD_iter``. Collective over the group in use.
     """
+    state.check_open()
     buffer = bucket.buffer()
     if state.iter < state.start_localSGD_iter:
         state.maybe_increase_iter(bucket)

@@ -35,7 +35,8 @@ class ModelAverager(ABC):
     def __init__(self, process_group: Optional[MPI.Comm] = None) -> None:
         self.process_group = comm.resolve(process_group)
         self._group: Optional[comm.ProcessGroup] = (
-            comm.ProcessGroup(self.process_group) if comm.is_member(self.process_group) else None)
+            comm.ProcessGroup(self.process_group, owner=type(self).__name__)
+            if comm.is_member(self.process_group) else None)
         self._closed = False
         self.step = 0
         self._buffers: dict = {}   # flat buffers reused from one averaging to the next

@@ -91,7 +91,7 @@ class HierarchicalModelAverager(ModelAverager):
         if size == self._group.size:
             return self._group.comm
         split = self._group.comm.Split(block, self._group.rank)
-        owned = comm.ProcessGroup(split)
+        owned = comm.ProcessGroup(split, owner="HierarchicalModelAverager")
         split.Free()
         self._subgroups.append(owned)
         members = owned.comm.allgather(self._group.rank)
