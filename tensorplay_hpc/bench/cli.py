@@ -15,7 +15,7 @@ Run benchmarks on every rank of the launch (mpiexec -n N tensorplay-hpc bench NA
 comparison is printed as one JSON object per line as it is measured (ours against PyTorch over
 gloo or RPC, and against raw mpi4py of the same bytes), then a table."""
 
-_NOT_BENCHMARKS = {"cli", "report", "timing", "gloo", "models"}
+_NOT_BENCHMARKS = {"cli", "report", "timing", "gloo", "models", "network"}
 
 
 def available() -> List[str]:
