@@ -1,5 +1,6 @@
 """ZeroRedundancyOptimizer: values, parity with a plain optimizer and with PyTorch's class."""
 import copy
+from itertools import chain
 
 import pytest
 import torch
@@ -364,6 +365,27 @@ def test_non_default_group(world):
     even.Free()
 
 
+@pytest.mark.parametrize("piece_bytes", [24, 4096])
+def test_without_bucket_view_the_sync_stages_bounded_pieces(monkeypatch, piece_bytes):
+    """24 bytes: 6 float32 elements a round over all ranks, so parameters are cut across rounds;
+    the staging buffer never holds more than a piece, and the parameters keep their storage."""
+    monkeypatch.setenv("TENSORPLAY_HPC_PIECE_BYTES", str(piece_bytes))
+    dtypes = (torch.float32, torch.float32, torch.float32)
+    model, reference = _model(dtypes), _model(dtypes)
+    storages = [p.untyped_storage().data_ptr() for p in model.parameters()]
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=0.01)
+    plain = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    (staged,) = zero._buffers
+    per_rank = max(1, piece_bytes // 4 // zero.world_size)
+    assert staged.staging.numel() == min(per_rank * zero.world_size, 40 + 21 + 54)
+    largest = max(sum(zero.params_by_index[i].numel() for i in chain(*zero.partition.owned(r)))
+                  for r in range(zero.world_size))
+    assert len(staged.rounds) == -(-largest // per_rank)
+    _train([(model, zero), (reference, plain)], 6)
+    _assert_same_params(model, reference)
+    assert [p.untyped_storage().data_ptr() for p in model.parameters()] == storages
+
+
 @pytest.mark.parametrize("bucket_view", [False, True])
 def test_mixed_dtypes(bucket_view):
     dtypes = (torch.float32, torch.bfloat16, torch.float32)
@@ -371,8 +393,9 @@ def test_mixed_dtypes(bucket_view):
     zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam,
                                    parameters_as_bucket_view=bucket_view, lr=0.01)
     plain = torch.optim.Adam(reference.parameters(), lr=0.01)
-    assert [b.flat.buffer.dtype for b in zero._buffers] == [torch.float32, torch.bfloat16]
-    assert [b.flat.buffer.numel() for b in zero._buffers] == [40 + 21, 54]
+    buffers = [b.flat.buffer if bucket_view else b.staging for b in zero._buffers]
+    assert [b.dtype for b in buffers] == [torch.float32, torch.bfloat16]
+    assert [b.numel() for b in buffers] == [40 + 21, 54]
     if bucket_view:
         for buffer in zero._buffers:
             for param in buffer.params:

@@ -3,9 +3,10 @@
 Each rank keeps a local optimizer (any ``torch.optim.Optimizer`` class) for the parameters it
 owns, about ``1 / world_size`` of them, chosen by the sorted-greedy :class:`~.partition.Partition`
 that PyTorch uses, so shards and checkpoints line up with PyTorch's. After the local step every
-rank receives every updated parameter through one in-place ``all_gather_v`` per dtype and device
-(parameters laid out rank by rank in a flat buffer, see :mod:`.shard_buffer`), not one broadcast
-per parameter.
+rank receives every updated parameter through ``all_gather_v`` per dtype and device, not one
+broadcast per parameter (see :mod:`.shard_buffer`): with ``parameters_as_bucket_view`` one
+in-place call on the parameters laid out rank by rank in a flat buffer; without it, in rounds
+through a staging buffer of a few MiB, so no full-size copy of the parameters is kept.
 
 Where this differs from PyTorch's class:
 
@@ -27,7 +28,12 @@ Where this differs from PyTorch's class:
 - ``overlap_with_ddp=True`` wraps any ``torch.optim`` class (no functional optimizer needed)
   and runs on any MPI communicator (see :mod:`.ddp_overlap`, ``ddp_comm_hooks.ddp_zero_hook``).
 
-Internal API, for checkpointing (stable within this package):
+Checkpoints use the sharded-optimizer interface that ``DistributedOptimizer`` shares:
+:meth:`~ZeroRedundancyOptimizer.owned_indices`, :meth:`~ZeroRedundancyOptimizer.owned_state`,
+:meth:`~ZeroRedundancyOptimizer.indexed_param_groups` and
+:meth:`~ZeroRedundancyOptimizer.load_owned_state`.
+
+Internal API (stable within this package):
 
 - ``zero.partition`` (:class:`~.partition.Partition`): ``partition.rank_of[i]`` is the rank
   owning the parameter of global index ``i`` (the ``state_dict`` numbering);
@@ -37,9 +43,7 @@ Internal API, for checkpointing (stable within this package):
 - ``zero.local_state_by_index()``: this rank's local optimizer state as
   ``{global index: {key: value}}`` (live objects, not copies);
 - ``zero.load_state_dict`` reads only the ``state`` entries of the parameters this rank owns,
-  so a dict holding just those (and all ``param_groups``) is enough to restore a shard;
-  ``zero._load_state_dict(state_dict, copies=False)`` keeps the given tensors instead of copies
-  (for state read from a file for this optimizer alone).
+  so a dict holding just those (and all ``param_groups``) is enough to restore a shard.
 """
 from __future__ import annotations
 
@@ -62,7 +66,7 @@ from tensorplay_hpc.distributed.algorithms.join import Join, Joinable, JoinHook
 from .ddp_overlap import DDPOverlap
 from .optimizer_class import check_optimizer_class
 from .partition import Partition
-from .shard_buffer import ShardBuffer
+from .shard_buffer import AnyShards, ShardBuffer, StagedShards
 from .state_gather import gather_state
 
 __all__ = ["ZeroRedundancyOptimizer"]
@@ -252,7 +256,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable, comm.Closeable):
             chain.from_iterable(g["params"] for g in self.param_groups))
         self._index_of = {param: index for index, param in enumerate(self.params_by_index)}
         self._trainable = self._trainable_mask()
-        self._buffers: List[ShardBuffer] = []
+        self._buffers: List[AnyShards] = []
         self._consolidated: Optional[Dict[int, Dict[Any, Any]]] = None
         self._overlap: Optional[DDPOverlap] = None
         self._overlap_with_ddp = overlap_with_ddp
@@ -334,7 +338,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable, comm.Closeable):
                  for i, flag in enumerate(trainable)])
 
     def _build_buffers(self) -> None:
-        """One :class:`ShardBuffer` per dtype and device of the trainable parameters."""
+        """One :class:`ShardBuffer` (with ``parameters_as_bucket_view``) or
+        :class:`StagedShards` per dtype and device of the trainable parameters."""
         for buffer in self._buffers:
             buffer.release()
         per_key: Dict[tuple, List[List[torch.Tensor]]] = {}
@@ -347,7 +352,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable, comm.Closeable):
                 param = self.params_by_index[index]
                 if param.requires_grad:
                     per_key[(param.dtype, param.device)][rank].append(param)
-        self._buffers = [ShardBuffer(params_per_rank, self.rank, self.parameters_as_bucket_view)
+        self._buffers = [ShardBuffer(params_per_rank) if self.parameters_as_bucket_view
+                         else StagedShards(params_per_rank, self.rank)
                          for params_per_rank in per_key.values()]
 
     def _sync_params(self) -> None:
@@ -453,6 +459,35 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable, comm.Closeable):
         self._require_local_optimizer("local_state_by_index()")
         return {self._index_of[param]: state for param, state in self.optim.state.items()}
 
+    # -- the sharded-optimizer interface of checkpoints ----------------------------------
+
+    def owned_indices(self) -> List[int]:
+        """The global indices of the parameters this rank owns. Local."""
+        return [i for i, owner in enumerate(self.partition.rank_of) if owner == self.rank]
+
+    def owned_state(self) -> Dict[int, Dict[Any, Any]]:
+        """The state of the parameters this rank owns, by global index: new dicts holding the
+        optimizer's own tensors (which the next step changes: copy them to keep them). Local."""
+        return {index: dict(state) for index, state in self.local_state_by_index().items()}
+
+    def indexed_param_groups(self) -> List[Dict[str, Any]]:
+        """The param groups in ``state_dict``'s structure: the hyperparameters, and ``params``
+        as global indices. Local."""
+        groups, first = [], 0
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = list(range(first, first + len(group["params"])))
+            first += len(group["params"])
+            groups.append(packed)
+        return groups
+
+    def load_owned_state(self, state: Dict[int, Dict[Any, Any]],
+                         param_groups: List[Dict[str, Any]]) -> None:
+        """Load the state of the parameters this rank owns (by global index; entries of other
+        parameters are ignored) and the hyperparameters of ``param_groups``, keeping the given
+        tensors rather than copies. Collective, as :meth:`load_state_dict`."""
+        self._load_state_dict({"state": state, "param_groups": param_groups}, copies=False)
+
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the whole optimizer state on rank ``to`` (on the host), for :meth:`state_dict`.
 
@@ -486,14 +521,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable, comm.Closeable):
                 f"on rank {self.rank}.")
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        groups, first = [], 0
-        for group in self.param_groups:
-            packed = {k: v for k, v in group.items() if k != "params"}
-            packed["params"] = list(range(first, first + len(group["params"])))
-            first += len(group["params"])
-            groups.append(packed)
         state = {index: dict(self._consolidated[index]) for index in sorted(self._consolidated)}
-        state_dict = {"state": state, "param_groups": groups}
+        state_dict = {"state": state, "param_groups": self.indexed_param_groups()}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
             if result is not None:
