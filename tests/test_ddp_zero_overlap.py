@@ -12,7 +12,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeroRedundan
 from torch.distributed.optim.zero_redundancy_optimizer import _OverlapStatus
 
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook import (
-    hook_with_zero_step, hook_with_zero_step_interleaved)
+    hook_with_zero2_step, hook_with_zero_step, hook_with_zero_step_interleaved)
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from tensorplay_hpc.distributed.optim import ZeroRedundancyOptimizer
 from tensorplay_hpc.distributed.optim.bucket_assignment import sharded_buckets
@@ -21,6 +21,7 @@ from tensorplay_hpc.distributed.parallel import DistributedDataParallel
 HOOKS = {"after_last": hook_with_zero_step, "interleaved": hook_with_zero_step_interleaved}
 SGD = (torch.optim.SGD, dict(lr=0.01, momentum=0.9, weight_decay=0.001))   # PyTorch's test
 ADAM = (torch.optim.Adam, dict(lr=0.01))
+ADAMW = (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1))
 BUCKET_CAP_MB = 0.001   # about 1 KiB: one bucket per layer, and one of the empty parameter
 
 
@@ -92,6 +93,67 @@ def test_matches_ddp_with_a_local_optimizer(world, hook, shard_buckets, static_g
     assert any(not torch.equal(p, q) for p, q in zip(ddp.parameters(), initial))
     with pytest.warns(UserWarning, match="does nothing"):
         assert zero.step() is None
+
+
+def _mixed_model():
+    """The overlap model with its second layer in bfloat16: a bucket of each dtype."""
+    model = _model()
+    model[1].to(torch.bfloat16)
+    return _Casting(model)
+
+
+class _Casting(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.empty = model.empty
+
+    def forward(self, x):
+        for layer in self.model:
+            x = layer(x.to(layer.weight.dtype))
+        return x.float()
+
+
+@pytest.mark.parametrize("shard_buckets", [True, False])
+@pytest.mark.parametrize("bucket_view", [False, True])
+@pytest.mark.parametrize("mixed", [False, True])
+@pytest.mark.parametrize("optimizer", [SGD, ADAM, ADAMW], ids=["SGD", "Adam", "AdamW"])
+def test_zero2_matches_ddp_with_a_local_optimizer_and_keeps_no_gradients(
+        world, shard_buckets, bucket_view, mixed, optimizer):
+    """Gradients reach only their owners (a reduce per part instead of the reference's
+    allreduce: sums in another order, so equal to rounding), the owners step, and after each
+    backward pass no parameter has a gradient and DDP holds no bucket buffer."""
+    optimizer_class, kwargs = optimizer
+    make = _mixed_model if mixed else _model
+    inputs = _inputs(world.Get_rank())
+    ddp = DistributedDataParallel(make(), bucket_cap_mb=BUCKET_CAP_MB,
+                                  gradient_as_bucket_view=bucket_view)
+    zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class, overlap_with_ddp=True,
+                                   **kwargs)
+    ddp.register_comm_hook(None, hook_with_zero2_step(ddp, zero, shard_buckets=shard_buckets))
+    reference = DistributedDataParallel(make(), bucket_cap_mb=BUCKET_CAP_MB)
+    local = optimizer_class(reference.parameters(), **kwargs)
+    for x in inputs[:2]:        # the warm-up averages into .grad, as the plain overlap does
+        _loss(ddp, x).backward()
+    warm = [p.grad.clone() for p in ddp.parameters()]
+    for x in inputs:
+        zero.zero_grad()
+        _loss(ddp, x).backward()
+        assert all(p.grad is None for p in ddp.parameters())
+        assert all(bucket._flat is None for bucket in ddp.buckets)
+    for x in inputs[:2]:
+        _loss(reference, x).backward()
+    for p, q in zip(warm, reference.parameters()):
+        torch.testing.assert_close(p, q.grad, rtol=0, atol=0)
+    _run_local(reference, local, inputs)
+    tolerance = dict(rtol=1e-2, atol=1e-2) if mixed else dict(rtol=1e-5, atol=1e-6)
+    for p, q in zip(ddp.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, **tolerance)
+    # every rank holds the same parameters, and the state lives with the owners only
+    flat = torch.cat([p.detach().float().reshape(-1) for p in ddp.parameters()])
+    assert all(torch.equal(flat, other) for other in world.allgather(flat))
+    owned = sum(p.numel() for p in zero.optim.state)
+    assert world.allreduce(owned) == sum(p.numel() for p in ddp.parameters() if p.numel())
 
 
 @pytest.mark.mpi(min_size=2)

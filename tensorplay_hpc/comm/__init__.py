@@ -25,7 +25,7 @@ from .abort import abort_on_exception
 from .chunking import CHUNK_ENV, PIECE_ENV, chunk_elements, chunks, piece_elements
 from .consistency import check_consistent, gather_digests, tensor_signature
 from .collectives import (all_gather, all_gather_v, all_reduce, all_reduce_coalesced, broadcast,
-                          broadcast_coalesced, gather, reduce_scatter)
+                          broadcast_coalesced, gather, reduce, reduce_scatter)
 from .cuda import CUDA_AWARE_ENV, device_for_rank, is_cuda_aware, local_rank
 from .dtypes import ReduceOp
 from .flat_buffer import FlatBuffer, group_by_dtype_device, pack_by_dtype_device
@@ -42,6 +42,6 @@ __all__ = [
     "all_reduce", "all_reduce_coalesced", "broadcast", "broadcast_coalesced", "capabilities",
     "check_consistent", "chunk_elements", "chunks", "device_for_rank", "gather", "gather_digests",
     "group_by_dtype_device", "is_cuda_aware", "is_member", "local_rank", "memory",
-    "pack_by_dtype_device", "piece_elements", "private_comm", "reduce_scatter", "resolve",
+    "pack_by_dtype_device", "piece_elements", "private_comm", "reduce", "reduce_scatter", "resolve",
     "tensor_signature",
 ]

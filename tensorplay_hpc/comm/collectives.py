@@ -75,6 +75,36 @@ def all_reduce(tensor: torch.Tensor, comm: MPI.Intracomm, op: ReduceOp = ReduceO
                     record=record)
 
 
+def reduce(tensor: torch.Tensor, comm: MPI.Intracomm, root: int,
+           op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Optional[Work]:
+    """Reduce ``tensor`` across the group into ``tensor`` on rank ``root``, in place; the other
+    ranks' tensors are left as they were."""
+    op = ReduceOp(op)
+    is_root = comm.Get_rank() == root
+    staged = Staged(tensor, reduce=True)
+    mpi_op = reduce_op(staged.work.dtype, op)
+    check_collective(comm, "reduce", count=staged.count, dtype=str(tensor.dtype), op=op.name,
+                     root=root)
+    requests = []
+    record = trace.collective("reduce", comm, tensor.nbytes, async_op)
+    with watched("reduce", comm), record:
+        for start, n in chunks(staged.count):
+            send, receive = ((MPI.IN_PLACE, staged.buf(start, n)) if is_root
+                             else (staged.buf(start, n), None))
+            if async_op:
+                requests.append(comm.Ireduce(send, receive, mpi_op, root))
+            else:
+                comm.Reduce(send, receive, mpi_op, root)
+
+    def finish() -> None:
+        if is_root:
+            if op is ReduceOp.AVG:
+                staged.work.div_(comm.Get_size())
+            staged.finish()
+    return complete(requests, finish, async_op, keep=[staged], operation="reduce", comm=comm,
+                    record=record)
+
+
 def broadcast(tensor: torch.Tensor, comm: MPI.Intracomm, root: int = 0,
               async_op: bool = False) -> Optional[Work]:
     """Copy ``tensor`` from rank ``root`` into ``tensor`` on every other rank."""

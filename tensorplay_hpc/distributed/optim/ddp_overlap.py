@@ -32,7 +32,10 @@ import torch
 
 from tensorplay_hpc import comm
 from tensorplay_hpc.comm import trace
-from tensorplay_hpc.distributed.parallel.reducer import _done, _reduced_tensor
+from tensorplay_hpc.comm.private import private_comm
+from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_fut
+from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.grad_bucket import (
+    result_done, result_tensor)
 
 from .bucket_assignment import BucketShard, sharded_buckets, whole_buckets
 from .partition import Partition
@@ -59,10 +62,10 @@ class _BucketStep:
 
     def _step(self) -> None:
         self._stepped = True
-        self._overlap.step_bucket(self._bucket.index(), _reduced_tensor(self._reduction))
+        self._overlap.step_bucket(self._bucket.index(), result_tensor(self._reduction))
 
     def is_completed(self) -> bool:
-        if not self._stepped and _done(self._reduction):
+        if not self._stepped and result_done(self._reduction):
             self._step()
         return self._stepped
 
@@ -72,7 +75,51 @@ class _BucketStep:
             self._step()
         if self._bucket.is_last():
             self._overlap.finish()
-        return _reduced_tensor(self._reduction)
+        return result_tensor(self._reduction)
+
+
+class _OwnersStep:
+    """ZeRO-2: a bucket's gradients reduced only to the ranks owning its parameters (one
+    nonblocking reduce per shard, to its owner), then the owners' step and the broadcasts.
+    DDP keeps no gradients of the bucket (:attr:`consumes_gradients`).
+
+    The reduces run on the duplicate cached on the process group, the broadcasts on ZeRO's
+    own: a rank may start bucket ``b``'s broadcasts before or after bucket ``b + 1``'s reduces,
+    and each communicator must see its collectives in the same order on every rank."""
+
+    consumes_gradients = True
+
+    def __init__(self, overlap: "DDPOverlap", bucket: Any) -> None:
+        self._overlap = overlap
+        self._bucket = bucket
+        buffer = bucket.buffer()
+        group = private_comm(overlap.zero.process_group)
+        buffer.div_(group.Get_size())
+        flat = overlap.flats[bucket.index()]
+        with trace.caller(f"ZeRO-2 gradients, bucket {bucket.index()}"):
+            self._reductions = [
+                comm.reduce(buffer[flat.offsets[shard.start]:overlap.end(flat, shard)], group,
+                            shard.rank, async_op=True)
+                for shard in overlap.shards[bucket.index()]]
+        self._stepped = False
+
+    def _step(self) -> None:
+        self._stepped = True
+        self._overlap.step_bucket(self._bucket.index(), self._bucket.buffer())
+
+    def is_completed(self) -> bool:
+        if not self._stepped and all(work.is_completed() for work in self._reductions):
+            self._step()
+        return self._stepped
+
+    def wait(self) -> torch.Tensor:
+        if not self._stepped:
+            for work in self._reductions:
+                work.wait()
+            self._step()
+        if self._bucket.is_last():
+            self._overlap.finish()
+        return self._bucket.buffer()
 
 
 class DDPOverlap:
@@ -133,8 +180,14 @@ class DDPOverlap:
             self.iterations += 1
         return self._stepping
 
+    @staticmethod
+    def end(flat: comm.FlatBuffer, shard: BucketShard) -> int:
+        """Where ``shard``'s elements end in its bucket's flat buffer."""
+        return flat.offsets[shard.stop] if shard.stop < len(flat) else flat.buffer.numel()
+
     def step_bucket(self, index: int, reduced: torch.Tensor) -> None:
-        """Step this rank's parameters of bucket ``index``, then start sending every owner's."""
+        """Step this rank's parameters of bucket ``index``, then start sending every owner's.
+        Only this rank's part of ``reduced`` is read."""
         grads = comm.FlatBuffer([p.shape for p in self.params[index]], reduced.dtype,
                                 reduced.device, buffer=reduced.reshape(-1)).views
         flat = self.flats[index]
@@ -142,11 +195,10 @@ class DDPOverlap:
             if shard.rank == self.zero.rank:
                 self.zero._step_with_gradients(self.params[index][shard.start:shard.stop],
                                                grads[shard.start:shard.stop])
-            end = flat.offsets[shard.stop] if shard.stop < len(flat) else flat.buffer.numel()
             with trace.caller(f"ZeRO overlap, bucket {index}"):
                 self._broadcasts.append(comm.broadcast(
-                    flat.buffer[flat.offsets[shard.start]:end], self.zero._group.comm,
-                    shard.rank, async_op=True))
+                    flat.buffer[flat.offsets[shard.start]:self.end(flat, shard)],
+                    self.zero._group.comm, shard.rank, async_op=True))
 
     def finish(self) -> None:
         """Wait for every broadcast of this iteration."""
@@ -164,6 +216,16 @@ class DDPOverlap:
             return _BucketStep(self, bucket, reduction)
         return reduce_then_step
 
+    def owners_hook(self) -> Hook:
+        """A DDP communication hook for ZeRO-2: after the warm-up (plain averaging), each
+        bucket's gradients are reduced only to the owners of its parameters, which step as
+        soon as their part has arrived; DDP keeps no gradients."""
+        def reduce_to_owners(state: Any, bucket: Any) -> Any:
+            if not self._steps_in_this_pass(bucket):
+                return allreduce_fut(private_comm(self.zero.process_group), bucket.buffer())
+            return _OwnersStep(self, bucket)
+        return reduce_to_owners
+
     def hook_stepping_after_last(self, reduce: Hook) -> Hook:
         """A DDP communication hook: ``reduce(state, bucket)``; the last bucket's call waits for
         every bucket's reduction in turn and steps it."""
@@ -174,7 +236,7 @@ class DDPOverlap:
             self._reduced.append((bucket.index(), reduction))
             if bucket.is_last():
                 for index, pending in self._reduced:
-                    self.step_bucket(index, _reduced_tensor(pending))
+                    self.step_bucket(index, result_tensor(pending))
                 self._reduced.clear()
                 self.finish()
             return reduction

@@ -2,9 +2,9 @@
 buckets, overlapped with the backward pass (see :mod:`.reducer`).
 
 Communication hooks (``register_comm_hook``) follow PyTorch's interface: ``hook(state, bucket)``
-gets a :class:`~.reducer.GradBucket` (``buffer()``, ``parameters()``, ``gradients()``,
-``index()``, ``is_last()``) and returns an object whose ``wait()`` gives the reduced flat tensor,
-or a ``torch.futures.Future`` of it; see
+gets a :class:`~tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.grad_bucket.GradBucket`
+(``buffer()``, ``parameters()``, ``gradients()``, ``index()``, ``is_last()``) and returns an
+object whose ``wait()`` gives the reduced flat tensor, or a ``torch.futures.Future`` of it; see
 :mod:`tensorplay_hpc.distributed.algorithms.ddp_comm_hooks` for the details and built-in hooks.
 
 Uneven inputs: the module is a :class:`~tensorplay_hpc.distributed.algorithms.join.Joinable`.
@@ -27,10 +27,11 @@ from torch.utils._pytree import tree_map
 
 from tensorplay_hpc import comm
 from tensorplay_hpc.comm import trace
+from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.grad_bucket import GradBucket
 from tensorplay_hpc.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from .arguments import check_arguments
-from .reducer import GradBucket, Reducer
+from .reducer import Reducer
 
 __all__ = ["DistributedDataParallel"]
 

@@ -34,46 +34,14 @@ from torch.utils._pytree import tree_leaves
 from tensorplay_hpc import comm
 from tensorplay_hpc.comm import trace
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.default_hooks import BucketWork
+from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.grad_bucket import (
+    GradBucket, result_done, result_tensor)
 
 from .comm_thread import CommThread, wait_for_all
 
 FIRST_BUCKET_BYTES = 1 << 20   # a small first bucket starts communication early, as in PyTorch
 
 Hook = Callable[[Any, "GradBucket"], Any]
-
-
-class GradBucket:
-    """The gradients of several parameters of one dtype and device in one flat buffer; what a
-    communication hook receives (PyTorch's ``GradBucket`` interface)."""
-
-    def __init__(self, index: int, parameters: Sequence[torch.nn.Parameter], is_last: bool) -> None:
-        first = parameters[0]
-        self._index = index
-        self._parameters = list(parameters)
-        self._is_last = is_last
-        self.flat = comm.FlatBuffer([p.shape for p in parameters], first.dtype, first.device)
-
-    def index(self) -> int:
-        return self._index
-
-    def buffer(self) -> torch.Tensor:
-        """The flat gradient tensor."""
-        return self.flat.buffer
-
-    def gradients(self) -> List[torch.Tensor]:
-        """Views of :meth:`buffer` shaped like each parameter."""
-        return list(self.flat.views)
-
-    def parameters(self) -> List[torch.nn.Parameter]:
-        return list(self._parameters)
-
-    def is_last(self) -> bool:
-        """Whether this is the last bucket reduced in an iteration."""
-        return self._is_last
-
-    def set_buffer(self, tensor: torch.Tensor) -> None:
-        """Replace the bucket's contents with ``tensor``'s."""
-        self.flat.buffer.copy_(tensor.reshape(-1))
 
 
 def assign_buckets(params: Sequence[torch.Tensor], cap_bytes: int) -> List[List[int]]:
@@ -116,25 +84,6 @@ def reachable_parameters(outputs: Any) -> Set[int]:
             found.add(id(variable))
         stack.extend(child for child, _ in node.next_functions)
     return found
-
-
-def _done(result: Any) -> bool:
-    """Whether a hook's result has completed, testing it (which drives MPI progress)."""
-    if hasattr(result, "is_completed"):
-        return result.is_completed()
-    if hasattr(result, "done"):
-        return result.done()
-    return False
-
-
-def _reduced_tensor(result: Any) -> torch.Tensor:
-    value = result.wait()
-    if isinstance(value, (list, tuple)):
-        value = value[0]
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"a communication hook's result must wait() to a tensor, got "
-                        f"{type(value).__name__} (world rank {MPI.COMM_WORLD.Get_rank()})")
-    return value
 
 
 def _on_grad(reducer_ref: "weakref.ref[Reducer]", index: int, param: torch.Tensor) -> None:
@@ -208,7 +157,7 @@ class Reducer:
     def _reset(self) -> None:
         self._ready = [False] * len(self.params)
         self._late: List[int] = []   # parameters whose gradient came when already ready
-        self._pending = [len(bucket.flat) for bucket in self.buckets]
+        self._pending = [len(bucket.parameters()) for bucket in self.buckets]
         self._next_bucket = 0
         self._results: List[Any] = []
         self._tested = 0
@@ -331,13 +280,13 @@ class Reducer:
             bucket.buffer().zero_()
             results.append(self._start(bucket))
         for result in results:
-            _reduced_tensor(result)
+            result_tensor(result)
         failed, _ = self._agree_on_pass(False, [False] * len(self.params))
         if failed:
             comm.agree(self.comm, None, "DistributedDataParallel's backward pass")
 
     def _progress(self) -> None:
-        while self._tested < len(self._results) and _done(self._results[self._tested]):
+        while self._tested < len(self._results) and result_done(self._results[self._tested]):
             self._tested += 1
 
     def _finalize(self) -> None:
@@ -355,17 +304,20 @@ class Reducer:
                     "(their gradients were averaged as zeros meanwhile)")
             for index in missing:   # zeros keep the collectives matched on every rank
                 self._mark_ready(index)
+            consumed = set()
             for bucket, result in zip(self.buckets, self._results):
-                reduced = _reduced_tensor(result)
-                if reduced.data_ptr() != bucket.buffer().data_ptr():
+                reduced = result_tensor(result)
+                if getattr(result, "consumes_gradients", False):
+                    consumed.add(bucket.index())
+                elif reduced.data_ptr() != bucket.buffer().data_ptr():
                     bucket.set_buffer(reduced)
             failed, used = self._agree_on_pass(bool(problems))
             if learning:
                 self._static_unused, self._static_used = missing, used
             if self.static_graph:
-                self._write_back(self._static_used)
+                self._write_back(self._static_used, consumed)
             else:
-                self._write_back(used if self.find_unused_parameters else None)
+                self._write_back(used if self.find_unused_parameters else None, consumed)
         finally:
             self._used = [False] * len(self.params)
             self._reset()
@@ -385,12 +337,18 @@ class Reducer:
         values = flags.tolist()
         return values[0], values[1:]
 
-    def _write_back(self, used: Optional[List[bool]]) -> None:
+    def _write_back(self, used: Optional[List[bool]], consumed: Set[int]) -> None:
+        """Give the parameters their averaged gradients; those of the ``consumed`` buckets
+        (their hook used the gradients itself) get none, and those buckets free their
+        buffers."""
         targets, sources = [], []
         for index, param in enumerate(self.params):
+            b, position = self._slot[index]
+            if b in consumed:
+                param.grad = None
+                continue
             if used is not None and not used[index]:
                 continue   # unused everywhere: the gradient stays as it was, like PyTorch
-            b, position = self._slot[index]
             slot = self.buckets[b].flat.views[position]
             grad = param.grad
             if self.gradient_as_bucket_view:
@@ -403,3 +361,5 @@ class Reducer:
                 sources.append(slot)
         if targets:
             torch._foreach_copy_(targets, sources)
+        for b in consumed:
+            self.buckets[b].release()

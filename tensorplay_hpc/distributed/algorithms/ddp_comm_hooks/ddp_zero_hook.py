@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-__all__ = ["hook_with_zero_step", "hook_with_zero_step_interleaved"]
+__all__ = ["hook_with_zero2_step", "hook_with_zero_step", "hook_with_zero_step_interleaved"]
 
 Hook = Callable[[Any, Any], Any]
 
@@ -54,3 +54,38 @@ def hook_with_zero_step_interleaved(hook: Hook, ddp: Any, zero: Any,
     reduction has completed, while the backward pass goes on. Suits communication that is fast
     next to computation. Same arguments and errors."""
     return zero._overlap_with(ddp, shard_buckets).interleaved_hook(hook)
+
+
+def hook_with_zero2_step(ddp: Any, zero: Any, shard_buckets: bool = True) -> Hook:
+    """ZeRO-2 (not in PyTorch): the gradients are sharded as well as the optimizer state. Each
+    bucket's gradients are reduced only to the ranks owning its parameters (a nonblocking
+    reduce per owner's part, while the backward pass goes on); each owner steps its part as
+    soon as it has arrived and sends the parameters to every rank. No reduction hook is
+    wrapped: the hook is the reduction.
+
+    After ``backward()`` returns the parameters are updated everywhere and their ``.grad`` is
+    ``None`` (the step consumed the gradients), and DDP has freed its bucket buffers, so no
+    rank keeps full-size gradients between steps. The bytes moved equal an allreduce's (a
+    reduce and a broadcast per part). The warm-up passes only average, as with
+    :func:`hook_with_zero_step`, and leave averaged gradients in ``.grad``.
+
+    Args:
+        ddp: the ``DistributedDataParallel`` model whose buckets ``zero`` follows.
+        zero: a ``ZeroRedundancyOptimizer`` of ``ddp.parameters()`` built with
+            ``overlap_with_ddp=True``.
+        shard_buckets: split buckets between ranks so that each owns about the same number of
+            elements (the default here: every rank then holds about ``1 / world_size`` of the
+            gradients at any time); ``False`` gives whole buckets, bucket ``b`` to rank
+            ``b % world_size``.
+
+    Raises:
+        ValueError: ``zero`` was built without ``overlap_with_ddp=True``.
+        RuntimeError: ``zero`` is already overlapped with a model.
+
+    Example::
+
+        zero = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW,
+                                       overlap_with_ddp=True, lr=1e-3)
+        ddp.register_comm_hook(None, hook_with_zero2_step(ddp, zero))
+    """
+    return zero._overlap_with(ddp, shard_buckets).owners_hook()
