@@ -1,9 +1,12 @@
 """The communication layer: every collective, every dtype, against values computed by hand."""
+import os
+
 import pytest
 import torch
 from mpi4py import MPI
 
 from tensorplay_hpc import comm
+from tensorplay_hpc.bench.network import bytes_sent
 from tensorplay_hpc.comm import ReduceOp, staging
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16,
@@ -80,6 +83,40 @@ def test_bfloat16_sum_is_computed_in_float32(group):
     t = torch.tensor([256.0 if group.rank == 0 else 1.0], dtype=torch.bfloat16)
     comm.all_reduce(t, group.comm)
     assert t.item() == float(torch.tensor(256.0 + group.size - 1).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.AVG])
+def test_sixteen_bit_floats_summed_in_their_own_type(group, chunking, dtype, op):
+    t = rank_tensor(group.rank, 7, dtype)
+    comm.all_reduce(t, group.comm, op, in_dtype=True)
+    total = sum(rank_tensor(r, 7, torch.float64) for r in range(group.size))
+    expected = total / group.size if op is ReduceOp.AVG else total
+    assert t.dtype == dtype and torch.equal(t, expected.to(dtype))
+    with pytest.raises(ValueError, match=f"only summed or averaged in their own type, not MAX "
+                                         f"\\(rank {group.rank}\\)"):
+        comm.all_reduce(t, group.comm, ReduceOp.MAX, in_dtype=True)
+
+
+@pytest.mark.skipif(not os.environ.get("TENSORPLAY_TEST_NODES"),
+                    reason="counts bytes between simulated nodes")
+@pytest.mark.mpi(min_size=2)
+def test_sixteen_bit_sums_in_their_own_type_send_half_the_bytes_between_nodes(group):
+    layout = comm.NodeLayout(group.comm)
+    if len(layout.nodes) < 2:
+        pytest.skip("the ranks are on one node")
+
+    def sent(in_dtype):
+        tensor = torch.ones(1 << 20, dtype=torch.bfloat16)
+        group.comm.Barrier()
+        before = bytes_sent()
+        for _ in range(3):
+            comm.all_reduce(tensor, group.comm, in_dtype=in_dtype)
+        group.comm.Barrier()
+        mine = bytes_sent() - before if layout.node_rank == 0 else 0
+        return group.comm.allreduce(mine)
+    in_float32, in_bfloat16 = sent(False), sent(True)
+    assert 0.45 < in_bfloat16 / in_float32 < 0.55, (in_bfloat16, in_float32)
 
 
 def test_all_reduce_non_contiguous(group, chunking):

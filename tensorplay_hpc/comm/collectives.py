@@ -16,7 +16,7 @@ from mpi4py import MPI
 from . import trace
 from .chunking import chunk_elements, chunks, piece_elements
 from .consistency import check_collective
-from .dtypes import ReduceOp, reduce_dtype, reduce_op
+from .dtypes import ReduceOp, half_sum_op, is_half, reduce_dtype, reduce_op
 from .flat_buffer import pack_by_dtype_device
 from .staging import Staged
 from .watchdog import watched
@@ -43,15 +43,20 @@ def _check_counts(counts: Sequence[int], comm: MPI.Intracomm, total: int, what: 
 
 
 def all_reduce(tensor: torch.Tensor, comm: MPI.Intracomm, op: ReduceOp = ReduceOp.SUM,
-               async_op: bool = False) -> Optional[Work]:
+               async_op: bool = False, in_dtype: bool = False) -> Optional[Work]:
     """Reduce ``tensor`` across the group, in place, leaving the result on every rank.
 
     A blocking call works in cache-sized pieces (see :mod:`.chunking`), averaging each piece
-    while it is still in cache.
+    while it is still in cache. 16-bit floats are summed in float32, or with ``in_dtype`` in
+    their own type, moving half the bytes (for compression; ``SUM`` and ``AVG`` only).
     """
     op = ReduceOp(op)
-    staged = Staged(tensor, reduce=True)
-    mpi_op = reduce_op(staged.work.dtype, op)
+    in_half = in_dtype and is_half(tensor.dtype)
+    if in_half and op not in (ReduceOp.SUM, ReduceOp.AVG):
+        raise ValueError(f"all_reduce in_dtype: {tensor.dtype} tensors are only summed or "
+                         f"averaged in their own type, not {op.name} (rank {comm.Get_rank()})")
+    staged = Staged(tensor, reduce=not in_half)
+    mpi_op = half_sum_op(tensor.dtype) if in_half else reduce_op(staged.work.dtype, op)
     size = comm.Get_size()
     flat = staged.work.view(-1)
     check_collective(comm, "all_reduce", count=staged.count, dtype=str(tensor.dtype), op=op.name)

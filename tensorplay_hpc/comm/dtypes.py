@@ -1,11 +1,14 @@
 """How each torch dtype travels through MPI: the datatype for moving it and for reducing it.
 
-MPI has no bfloat16 or float16, so those move as raw 16-bit words and are reduced in float32.
-Booleans reduce with logical operations (sum and max are "or", min and product are "and").
+MPI has no bfloat16 or float16, so those move as raw 16-bit words and are reduced in float32,
+or, for sums asked to stay in 16 bits, with an operation of this module that adds them in their
+own type (:func:`half_sum_op`). Booleans reduce with logical operations (sum and max are "or",
+min and product are "and").
 """
 from __future__ import annotations
 
 from enum import Enum
+from typing import Dict
 
 import torch
 from mpi4py import MPI
@@ -34,6 +37,7 @@ _NATIVE = {
     torch.complex128: MPI.C_DOUBLE_COMPLEX,
 }
 _HALF = (torch.float16, torch.bfloat16)
+_half_sums: Dict[torch.dtype, MPI.Op] = {}
 
 _ARITHMETIC = {
     ReduceOp.SUM: MPI.SUM,
@@ -80,3 +84,19 @@ def reduce_op(dtype: torch.dtype, op: ReduceOp) -> MPI.Op:
     if dtype.is_complex and op in (ReduceOp.MIN, ReduceOp.MAX):
         raise TypeError(f"{op.name} is not defined for complex tensors")
     return _ARITHMETIC[op]
+
+
+def is_half(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` is one of the 16-bit floats MPI lacks."""
+    return dtype in _HALF
+
+
+def half_sum_op(dtype: torch.dtype) -> MPI.Op:
+    """An MPI operation that adds tensors of the 16-bit float ``dtype`` moved as 16-bit words,
+    in ``dtype`` (each partial sum rounded to 16 bits, as NCCL and gloo add them): half the
+    bytes of a sum in float32. Made once per dtype; MPI frees it at finalization."""
+    if dtype not in _half_sums:
+        def add(inbuf: MPI.buffer, inoutbuf: MPI.buffer, datatype: MPI.Datatype) -> None:
+            torch.frombuffer(inoutbuf, dtype=dtype).add_(torch.frombuffer(inbuf, dtype=dtype))
+        _half_sums[dtype] = MPI.Op.Create(add, commute=True)
+    return _half_sums[dtype]

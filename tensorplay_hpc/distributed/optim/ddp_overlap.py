@@ -36,6 +36,7 @@ from tensorplay_hpc.comm.private import private_comm
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_fut
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.grad_bucket import (
     result_done, result_tensor)
+from tensorplay_hpc.distributed.parallel.comm_thread import wait_for_all
 
 from .bucket_assignment import BucketShard, sharded_buckets, whole_buckets
 from .partition import Partition
@@ -79,9 +80,10 @@ class _BucketStep:
 
 
 class _OwnersStep:
-    """ZeRO-2: a bucket's gradients reduced only to the ranks owning its parameters (one
-    nonblocking reduce per shard, to its owner), then the owners' step and the broadcasts.
-    DDP keeps no gradients of the bucket (:attr:`consumes_gradients`).
+    """ZeRO-2: a bucket's gradients reduced only to the ranks owning its parameters (a
+    blocking reduce per shard, to its owner, on DDP's communication thread: Open MPI's
+    nonblocking reduce advances only inside MPI calls), then the owners' step and the
+    broadcasts. DDP keeps no gradients of the bucket (:attr:`consumes_gradients`).
 
     The reduces run on the duplicate cached on the process group, the broadcasts on ZeRO's
     own: a rank may start bucket ``b``'s broadcasts before or after bucket ``b + 1``'s reduces,
@@ -92,15 +94,18 @@ class _OwnersStep:
     def __init__(self, overlap: "DDPOverlap", bucket: Any) -> None:
         self._overlap = overlap
         self._bucket = bucket
-        buffer = bucket.buffer()
         group = private_comm(overlap.zero.process_group)
-        buffer.div_(group.Get_size())
         flat = overlap.flats[bucket.index()]
-        with trace.caller(f"ZeRO-2 gradients, bucket {bucket.index()}"):
-            self._reductions = [
+        shards = overlap.shards[bucket.index()]
+
+        def reduce_to_owners(buffer: torch.Tensor) -> None:
+            wait_for_all(group)
+            buffer.div_(group.Get_size())
+            for shard in shards:
                 comm.reduce(buffer[flat.offsets[shard.start]:overlap.end(flat, shard)], group,
-                            shard.rank, async_op=True)
-                for shard in overlap.shards[bucket.index()]]
+                            shard.rank)
+        with trace.caller(f"ZeRO-2 gradients, bucket {bucket.index()}"):
+            self._reduction = overlap.ddp.reducer.submit(bucket.buffer(), reduce_to_owners)
         self._stepped = False
 
     def _step(self) -> None:
@@ -108,14 +113,13 @@ class _OwnersStep:
         self._overlap.step_bucket(self._bucket.index(), self._bucket.buffer())
 
     def is_completed(self) -> bool:
-        if not self._stepped and all(work.is_completed() for work in self._reductions):
+        if not self._stepped and self._reduction.is_completed():
             self._step()
         return self._stepped
 
     def wait(self) -> torch.Tensor:
         if not self._stepped:
-            for work in self._reductions:
-                work.wait()
+            self._reduction.wait()
             self._step()
         if self._bucket.is_last():
             self._overlap.finish()
@@ -164,12 +168,18 @@ class DDPOverlap:
         self._reduced: List[Tuple[int, Any]] = []
 
     @property
+    def ddp(self) -> Any:
+        """The DistributedDataParallel model (held weakly: it holds the hook, which holds
+        this)."""
+        return self._ddp()
+
+    @property
     def owners(self) -> List[List[int]]:
         """The ranks owning parameters of each bucket, in parameter order."""
         return [[shard.rank for shard in shards] for shards in self.shards]
 
     def _warmup_iterations(self) -> int:
-        ddp = self._ddp()
+        ddp = self.ddp
         return WARMUP_ITERATIONS + int(bool(ddp is not None and ddp.static_graph))
 
     def _steps_in_this_pass(self, bucket: Any) -> bool:

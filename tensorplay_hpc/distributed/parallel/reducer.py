@@ -255,6 +255,15 @@ class Reducer:
                 return BucketWork(bucket.buffer())
             return self._worker.submit(bucket.buffer(), self._reduce_on_thread)
 
+    def submit(self, tensor: torch.Tensor, reduce: Callable[[torch.Tensor], None]) -> Any:
+        """Run ``reduce(tensor)``, blocking collectives, on the communication thread after the
+        buckets' reductions already queued (right here below ``MPI_THREAD_MULTIPLE``); return
+        a hook result for it. For hooks whose collectives are faster blocking. Local."""
+        if self._worker is None:
+            reduce(tensor)
+            return BucketWork(tensor)
+        return self._worker.submit(tensor, reduce)
+
     def _reduce(self, buffer: torch.Tensor) -> None:
         if self.divisor is None:
             # Each piece is divided right after its sum, while it is still in the cache.
