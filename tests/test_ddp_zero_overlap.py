@@ -1,7 +1,9 @@
 """ZeroRedundancyOptimizer overlapped with DistributedDataParallel (``overlap_with_ddp=True`` and
 the hooks of ``ddp_zero_hook``): PyTorch's own scenario (warm-up passes that do not step, then
-parity with DDP and a local optimizer), parity with PyTorch's overlap over gloo, and PyTorch's
-bucket assignments."""
+parity with DDP and a local optimizer), parity with PyTorch's overlap over gloo, PyTorch's
+bucket assignments, and ZeRO-2 (``hook_with_zero2_step``): parity, no gradients kept, and its
+checkpoints."""
+import os
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_d
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeroRedundancyOptimizer
 from torch.distributed.optim.zero_redundancy_optimizer import _OverlapStatus
 
+from tensorplay_hpc import checkpoint
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook import (
     hook_with_zero2_step, hook_with_zero_step, hook_with_zero_step_interleaved)
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -154,6 +157,30 @@ def test_zero2_matches_ddp_with_a_local_optimizer_and_keeps_no_gradients(
     assert all(torch.equal(flat, other) for other in world.allgather(flat))
     owned = sum(p.numel() for p in zero.optim.state)
     assert world.allreduce(owned) == sum(p.numel() for p in ddp.parameters() if p.numel())
+
+
+def test_zero2_checkpoint_resumes_in_ddp_with_a_plain_optimizer(world, folder):
+    """Each owner writes its part of the state; a plain Adam loads all of it and continues as
+    ZeRO-2 does (the same arithmetic, sums in another order)."""
+    inputs = _inputs(world.Get_rank(), count=5)
+    ddp = DistributedDataParallel(_model(), bucket_cap_mb=BUCKET_CAP_MB)
+    zero = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.Adam, overlap_with_ddp=True,
+                                   lr=0.01)
+    ddp.register_comm_hook(None, hook_with_zero2_step(ddp, zero))
+    _run_overlapped(ddp, zero, inputs[:3], warmup=2)
+    path = checkpoint.save(os.path.join(folder, "zero2.h5"), ddp, zero)
+    _run_overlapped(ddp, zero, inputs[3:], warmup=0)
+    resumed = DistributedDataParallel(_model(), bucket_cap_mb=BUCKET_CAP_MB)
+    with torch.no_grad():
+        for p in resumed.parameters():
+            p.zero_()
+    plain = torch.optim.Adam(resumed.parameters(), lr=0.5)
+    checkpoint.load(path, resumed, plain)
+    assert plain.param_groups[0]["lr"] == 0.01
+    assert all(int(s["step"]) == 3 for s in plain.state.values())
+    _run_local(resumed, plain, inputs[3:])
+    for p, q in zip(ddp.parameters(), resumed.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.mpi(min_size=2)

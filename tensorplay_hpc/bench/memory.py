@@ -11,8 +11,10 @@ belongs to: parameters, optimizer state, gradients (``.grad``), buffers (everyth
 gradient buckets, staging and parameter buffers). PyTorch's DDP keeps its buckets in C++, out of
 reach, so its buffers count as 0; the growth of the resident set size, reported beside, covers
 them. Each row also gives the step time (forward, backward and step, every case timed side by
-side against DDP's) and the bytes this rank handed to the library's MPI collectives per step
-(none for PyTorch's, whose traffic goes through gloo)."""
+side against DDP's), the bytes this rank handed to the library's MPI collectives per step (none
+for PyTorch's, whose traffic goes through gloo), and the bytes this rank's node sent on its
+network in a step (0 between ranks of one node; across nodes of one rank each, what went over
+the wire)."""
 from __future__ import annotations
 
 import gc
@@ -26,6 +28,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
 
 from tensorplay_hpc.bench.gloo import init_gloo
 from tensorplay_hpc.bench.models import mlp
+from tensorplay_hpc.bench.network import bytes_sent
 from tensorplay_hpc.bench.report import Report
 from tensorplay_hpc.bench.timing import compare
 from tensorplay_hpc.comm import trace
@@ -162,12 +165,14 @@ def _measure(make: Callable[[], torch.nn.Module], loss: Callable, setup: Setup) 
         step()
     for _ in range(4):        # past the overlap's warm-up, with the optimizer state allocated
         train_step()
-    sent = trace.bytes_communicated()
+    sent, wire = trace.bytes_communicated(), bytes_sent()
     train_step()
+    wire = bytes_sent() - wire
     state_of = getattr(optimizer, "optim", optimizer).state
     state = [t for s in state_of.values() for t in s.values() if isinstance(t, torch.Tensor)]
     return {"kinds": storage_bytes(list(module.parameters()), state, roots),
-            "sent": trace.bytes_communicated() - sent, "growth": _resident() - resident,
+            "sent": trace.bytes_communicated() - sent, "wire": wire,
+            "growth": _resident() - resident,
             "step": train_step, "owners": (model, optimizer)}
 
 
@@ -184,7 +189,8 @@ def run(report: Report) -> None:
                        fraction_of_ddp=round(total / ddp_bytes, 3),
                        **{kind.replace(" ", "_") + "_bytes": n for kind, n in c["kinds"].items()},
                        rss_growth_bytes=c["growth"],
-                       bytes_per_step=None if case.startswith("torch") else c["sent"])
+                       bytes_per_step=None if case.startswith("torch") else c["sent"],
+                       network_bytes_per_step=c["wire"])
         for c in cases.values():
             for owner in c["owners"]:
                 if hasattr(owner, "close"):
