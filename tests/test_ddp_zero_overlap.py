@@ -135,6 +135,7 @@ def test_zero2_matches_ddp_with_a_local_optimizer_and_keeps_no_gradients(
                                    **kwargs)
     ddp.register_comm_hook(None, hook_with_zero2_step(ddp, zero, shard_buckets=shard_buckets))
     reference = DistributedDataParallel(make(), bucket_cap_mb=BUCKET_CAP_MB)
+    reference.register_comm_hook(None, allreduce_hook)   # the warm-up's arithmetic
     local = optimizer_class(reference.parameters(), **kwargs)
     for x in inputs[:2]:        # the warm-up averages into .grad, as the plain overlap does
         _loss(ddp, x).backward()

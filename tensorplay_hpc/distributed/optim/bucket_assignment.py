@@ -1,9 +1,11 @@
 """Which rank steps which parameters of each DistributedDataParallel gradient bucket when
-ZeroRedundancyOptimizer overlaps DDP: PyTorch's two assignments, chosen by the
-``shard_buckets`` argument of ``hook_with_zero_step``."""
+ZeroRedundancyOptimizer overlaps DDP (the plan that :mod:`.ddp_overlap` carries out): PyTorch's
+two assignments, chosen by the ``shard_buckets`` argument of the ``ddp_zero_hook`` hooks."""
 from __future__ import annotations
 
-from typing import Collection, List, NamedTuple, Sequence
+from typing import Collection, Dict, List, NamedTuple, Sequence, Tuple
+
+import torch
 
 
 class BucketShard(NamedTuple):
@@ -56,3 +58,28 @@ def sharded_buckets(bucket_numels: Sequence[Sequence[int]],
         shards[b].append(BucketShard(b, rank, start, len(numels)))
         loads[rank] += size
     return shards
+
+
+def assign(bucket_params: Sequence[Sequence[torch.Tensor]], index_of: Dict[torch.Tensor, int],
+           world_size: int, shard_buckets: bool, rank: int) -> Tuple[List[List[BucketShard]],
+                                                                    List[int]]:
+    """The plan of an overlap: the shards of each bucket (:func:`sharded_buckets` or
+    :func:`whole_buckets`), and the owning rank of each parameter by its global index
+    (``index_of``; rank 0 for parameters in no bucket, which never step). Local.
+
+    Raises:
+        ValueError: a parameter of the buckets is not in ``index_of`` (named with ``rank``).
+    """
+    for params in bucket_params:
+        for param in params:
+            if param not in index_of:
+                raise ValueError(
+                    "overlap_with_ddp: a parameter of the DistributedDataParallel model (shape "
+                    f"{tuple(param.shape)}) is not one of the optimizer's (rank {rank})")
+    numels = [[p.numel() for p in params] for params in bucket_params]
+    shards = (sharded_buckets if shard_buckets else whole_buckets)(numels, world_size)
+    rank_of = [0] * len(index_of)
+    for shard in (s for per_bucket in shards for s in per_bucket):
+        for param in bucket_params[shard.bucket][shard.start:shard.stop]:
+            rank_of[index_of[param]] = shard.rank
+    return shards, rank_of

@@ -38,8 +38,7 @@ from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.grad_bucket import (
     result_done, result_tensor)
 from tensorplay_hpc.distributed.parallel.comm_thread import wait_for_all
 
-from .bucket_assignment import BucketShard, sharded_buckets, whole_buckets
-from .partition import Partition
+from .bucket_assignment import BucketShard
 
 if TYPE_CHECKING:
     from .zero_redundancy_optimizer import ZeroRedundancyOptimizer
@@ -127,33 +126,17 @@ class _OwnersStep:
 
 
 class DDPOverlap:
-    """The bucket assignment and parameter buffers of a ZeRO optimizer overlapped with ``ddp``.
+    """The stepper of a ZeRO optimizer overlapped with ``ddp``: it carries out the plan
+    ``shards`` (from :func:`.bucket_assignment.assign`, which ``zero.overlap_with`` makes and
+    builds ``zero``'s partition from), makes each bucket's parameters views into one flat buffer,
+    and gives the communication hooks that step. Not collective."""
 
-    Builds ``zero``'s partition and local optimizer from ``ddp``'s buckets. Not collective.
-
-    Raises:
-        ValueError: a parameter of ``ddp``'s buckets is not one of ``zero``'s.
-    """
-
-    def __init__(self, zero: "ZeroRedundancyOptimizer", ddp: Any, shard_buckets: bool) -> None:
+    def __init__(self, zero: "ZeroRedundancyOptimizer", ddp: Any,
+                 shards: List[List[BucketShard]]) -> None:
         self.zero = zero
         self._ddp = weakref.ref(ddp)
         self.params = [bucket.parameters() for bucket in ddp.buckets]
-        numels = [[p.numel() for p in params] for params in self.params]
-        assign = sharded_buckets if shard_buckets else whole_buckets
-        self.shards: List[List[BucketShard]] = assign(numels, zero.world_size)
-        rank_of = [0] * len(zero.params_by_index)   # parameters in no bucket never step
-        for params in self.params:
-            for param in params:
-                if param not in zero._index_of:
-                    raise ValueError(
-                        "overlap_with_ddp: a parameter of the DistributedDataParallel model (shape "
-                        f"{tuple(param.shape)}) is not one of the optimizer's (rank {zero.rank})")
-        for shard in (s for shards in self.shards for s in shards):
-            for param in self.params[shard.bucket][shard.start:shard.stop]:
-                rank_of[zero._index_of[param]] = shard.rank
-        zero._init_local_optimizer(Partition.assigned(
-            rank_of, zero.world_size, [p.numel() for p in zero.params_by_index]))
+        self.shards = shards
         self.flats = []
         for params in self.params:
             flat = comm.FlatBuffer([p.shape for p in params], params[0].dtype, params[0].device)

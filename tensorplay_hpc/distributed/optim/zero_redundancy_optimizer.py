@@ -63,6 +63,7 @@ from tensorplay_hpc.comm import trace
 from tensorplay_hpc.comm.consistency import Item
 from tensorplay_hpc.distributed.algorithms.join import Join, Joinable, JoinHook
 
+from .bucket_assignment import assign
 from .ddp_overlap import DDPOverlap
 from .optimizer_class import check_optimizer_class
 from .partition import Partition
@@ -279,15 +280,28 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable, comm.Closeable):
         _copy_hyperparameters(self.optim.param_groups, self.param_groups)
         self.state = _ShardState(self.optim)
 
-    def _overlap_with(self, ddp: Any, shard_buckets: bool = False) -> DDPOverlap:
-        """Take the partition from ``ddp``'s gradient buckets (``overlap_with_ddp=True``)."""
+    def overlap_with(self, ddp: Any, shard_buckets: bool = False) -> DDPOverlap:
+        """Follow ``ddp``'s gradient buckets (``overlap_with_ddp=True``): plan which rank steps
+        which parameters of each bucket, build the partition and the local optimizer from that
+        plan, and return the stepper whose hooks the ``ddp_zero_hook`` functions register.
+        Local; call it on every rank before the first backward pass.
+
+        Raises:
+            ValueError: built without ``overlap_with_ddp=True``, or a parameter of ``ddp``'s
+                buckets is not one of this optimizer's.
+            RuntimeError: already overlapped with a model.
+        """
         if not self._overlap_with_ddp:
             raise ValueError("ZeroRedundancyOptimizer must be constructed with `overlap_with_ddp"
                              f"=True` to use this hook properly (rank {self.rank})")
         if self._overlap is not None:
             raise RuntimeError("this ZeroRedundancyOptimizer is already overlapped with a "
                                f"DistributedDataParallel model (rank {self.rank})")
-        self._overlap = DDPOverlap(self, ddp, shard_buckets)
+        shards, rank_of = assign([b.parameters() for b in ddp.buckets], self._index_of,
+                                 self.world_size, shard_buckets, self.rank)
+        self._init_local_optimizer(Partition.assigned(
+            rank_of, self.world_size, [p.numel() for p in self.params_by_index]))
+        self._overlap = DDPOverlap(self, ddp, shards)
         return self._overlap
 
     def _agree(self, what: str, error: Optional[BaseException],

@@ -45,7 +45,7 @@ def hook_with_zero_step(hook: Hook, ddp: Any, zero: Any, shard_buckets: bool = F
         ValueError: ``zero`` was built without ``overlap_with_ddp=True``.
         RuntimeError: ``zero`` is already overlapped with a model.
     """
-    return zero._overlap_with(ddp, shard_buckets).hook_stepping_after_last(hook)
+    return zero.overlap_with(ddp, shard_buckets).hook_stepping_after_last(hook)
 
 
 def hook_with_zero_step_interleaved(hook: Hook, ddp: Any, zero: Any,
@@ -53,7 +53,7 @@ def hook_with_zero_step_interleaved(hook: Hook, ddp: Any, zero: Any,
     """Like :func:`hook_with_zero_step`, but each bucket is stepped and sent as soon as its
     reduction has completed, while the backward pass goes on. Suits communication that is fast
     next to computation. Same arguments and errors."""
-    return zero._overlap_with(ddp, shard_buckets).interleaved_hook(hook)
+    return zero.overlap_with(ddp, shard_buckets).interleaved_hook(hook)
 
 
 def hook_with_zero2_step(ddp: Any, zero: Any, shard_buckets: bool = True) -> Hook:
@@ -88,4 +88,4 @@ def hook_with_zero2_step(ddp: Any, zero: Any, shard_buckets: bool = True) -> Hoo
                                        overlap_with_ddp=True, lr=1e-3)
         ddp.register_comm_hook(None, hook_with_zero2_step(ddp, zero))
     """
-    return zero._overlap_with(ddp, shard_buckets).owners_hook()
+    return zero.overlap_with(ddp, shard_buckets).owners_hook()
