@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from mpi4py import MPI
 from torch.distributed.algorithms.ddp_comm_hooks import ddp_zero_hook as torch_zero_hook
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_default_hooks
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeroRedundancyOptimizer
@@ -161,8 +162,9 @@ def test_zero2_matches_ddp_with_a_local_optimizer_and_keeps_no_gradients(
 
 
 def test_zero2_checkpoint_resumes_in_ddp_with_a_plain_optimizer(world, folder):
-    """Each owner writes its part of the state; a plain Adam loads all of it and continues as
-    ZeRO-2 does (the same arithmetic, sums in another order)."""
+    """Each owner writes its part of the state; a plain Adam loads all of it, each rank alone
+    (a load at 1 rank of a file saved by all), and continues as ZeRO-2 does (the same
+    arithmetic, sums in another order)."""
     inputs = _inputs(world.Get_rank(), count=5)
     ddp = DistributedDataParallel(_model(), bucket_cap_mb=BUCKET_CAP_MB)
     zero = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.Adam, overlap_with_ddp=True,
@@ -176,7 +178,7 @@ def test_zero2_checkpoint_resumes_in_ddp_with_a_plain_optimizer(world, folder):
         for p in resumed.parameters():
             p.zero_()
     plain = torch.optim.Adam(resumed.parameters(), lr=0.5)
-    checkpoint.load(path, resumed, plain)
+    checkpoint.load(path, resumed, plain, process_group=MPI.COMM_SELF)
     assert plain.param_groups[0]["lr"] == 0.01
     assert all(int(s["step"]) == 3 for s in plain.state.values())
     _run_local(resumed, plain, inputs[3:])
