@@ -78,7 +78,7 @@ class _BucketStep:
         return result_tensor(self._reduction)
 
 
-class _OwnersStep:
+class _OwnersStep(_BucketStep):
     """ZeRO-2: a bucket's gradients reduced only to the ranks owning its parameters (a
     blocking reduce per shard, to its owner, on DDP's communication thread: Open MPI's
     nonblocking reduce advances only inside MPI calls), then the owners' step and the
@@ -91,8 +91,6 @@ class _OwnersStep:
     consumes_gradients = True
 
     def __init__(self, overlap: "DDPOverlap", bucket: Any) -> None:
-        self._overlap = overlap
-        self._bucket = bucket
         group = private_comm(overlap.zero.process_group)
         flat = overlap.flats[bucket.index()]
         shards = overlap.shards[bucket.index()]
@@ -104,25 +102,8 @@ class _OwnersStep:
                 comm.reduce(buffer[flat.offsets[shard.start]:overlap.end(flat, shard)], group,
                             shard.rank)
         with trace.caller(f"ZeRO-2 gradients, bucket {bucket.index()}"):
-            self._reduction = overlap.ddp.reducer.submit(bucket.buffer(), reduce_to_owners)
-        self._stepped = False
-
-    def _step(self) -> None:
-        self._stepped = True
-        self._overlap.step_bucket(self._bucket.index(), self._bucket.buffer())
-
-    def is_completed(self) -> bool:
-        if not self._stepped and self._reduction.is_completed():
-            self._step()
-        return self._stepped
-
-    def wait(self) -> torch.Tensor:
-        if not self._stepped:
-            self._reduction.wait()
-            self._step()
-        if self._bucket.is_last():
-            self._overlap.finish()
-        return self._bucket.buffer()
+            reduction = overlap.ddp.reducer.submit(bucket.buffer(), reduce_to_owners)
+        super().__init__(overlap, bucket, reduction)
 
 
 class DDPOverlap:

@@ -27,7 +27,7 @@ from mpi4py import MPI
 from tensorplay_hpc import comm
 from tensorplay_hpc.comm.private import private_comm
 
-from .default_hooks import allreduce_fut
+from .default_hooks import BucketWork, allreduce_fut
 
 __all__ = ["PowerSGDState", "batched_powerSGD_hook", "powerSGD_hook"]
 
@@ -288,6 +288,12 @@ def _matrix_of(gradient: torch.Tensor) -> torch.Tensor:
     return gradient.view(gradient.shape[0], math.prod(gradient.shape[1:]))
 
 
+def _warming_up(state: PowerSGDState, bucket) -> BucketWork:
+    """A warm-up iteration: count it, and average the bucket plainly."""
+    state.maybe_increase_iter(bucket)
+    return allreduce_fut(state._comm, bucket.buffer())
+
+
 def powerSGD_hook(state: PowerSGDState, bucket) -> Any:
     """Average the bucket's gradients over ``state.process_group`` by plain allreduce for the
     first ``state.start_powerSGD_iter`` iterations, then with PowerSGD: each matrix worth
@@ -300,11 +306,10 @@ def powerSGD_hook(state: PowerSGDState, bucket) -> Any:
         state = PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=1000)
         ddp.register_comm_hook(state, powerSGD_hook)
     """
+    if state.iter < state.start_powerSGD_iter:
+        return _warming_up(state, bucket)
     communicator = state._comm
     buffer = bucket.buffer()
-    if state.iter < state.start_powerSGD_iter:
-        state.maybe_increase_iter(bucket)
-        return allreduce_fut(communicator, buffer)
     world_size = communicator.Get_size()
     index, dtype, device = bucket.index(), buffer.dtype, buffer.device
     original = _error_feedback(state, index, buffer)
@@ -406,11 +411,10 @@ def batched_powerSGD_hook(state: PowerSGDState, bucket) -> Any:
         state = PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=1000)
         ddp.register_comm_hook(state, batched_powerSGD_hook)
     """
+    if state.iter < state.start_powerSGD_iter:
+        return _warming_up(state, bucket)
     communicator = state._comm
     buffer = bucket.buffer()
-    if state.iter < state.start_powerSGD_iter:
-        state.maybe_increase_iter(bucket)
-        return allreduce_fut(communicator, buffer)
     world_size = communicator.Get_size()
     index, dtype, device = bucket.index(), buffer.dtype, buffer.device
     numel = buffer.numel()
