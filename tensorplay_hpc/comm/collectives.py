@@ -18,7 +18,7 @@ from .chunking import chunk_elements, chunks, piece_elements
 from .consistency import check_collective
 from .dtypes import ReduceOp, half_sum_op, is_half, reduce_dtype, reduce_op
 from .flat_buffer import pack_by_dtype_device
-from .staging import Staged
+from .staging import Staged, needs_host_copy
 from .watchdog import watched
 from .work import Work, complete
 
@@ -48,10 +48,13 @@ def all_reduce(tensor: torch.Tensor, comm: MPI.Intracomm, op: ReduceOp = ReduceO
 
     A blocking call works in cache-sized pieces (see :mod:`.chunking`), averaging each piece
     while it is still in cache. 16-bit floats are summed in float32, or with ``in_dtype`` in
-    their own type, moving half the bytes (for compression; ``SUM`` and ``AVG`` only).
+    their own type, moving half the bytes (for compression; ``SUM`` and ``AVG`` only). The
+    16-bit addition runs on the host: GPU memory that a CUDA-aware MPI reads directly is summed
+    in float32.
     """
     op = ReduceOp(op)
-    in_half = in_dtype and is_half(tensor.dtype)
+    on_host = tensor.device.type == "cpu" or needs_host_copy(tensor)
+    in_half = in_dtype and is_half(tensor.dtype) and on_host
     if in_half and op not in (ReduceOp.SUM, ReduceOp.AVG):
         raise ValueError(f"all_reduce in_dtype: {tensor.dtype} tensors are only summed or "
                          f"averaged in their own type, not {op.name} (rank {comm.Get_rank()})")
