@@ -4,6 +4,10 @@
     checkpoint_job.py resume FILE STEPS OUT      load, train STEPS more, rank 0 saves params
     checkpoint_job.py kill-during-save FILE      save FILE, then die on the last rank while
                                                  saving FILE again
+    checkpoint_job.py kill-during-async-save FILE
+                                                 save FILE, then save it again in the background
+                                                 and train on; the last rank's writer thread
+                                                 kills its process in the middle of the write
     checkpoint_job.py grow FILE MB               save FILE, then try to save it again with MB
                                                  more megabytes (run it under a file-size limit)
 """
@@ -44,7 +48,7 @@ def main(mode, path, *rest):
         train(model, optimizer, start, int(rest[0]))
         if MPI.COMM_WORLD.Get_rank() == 0:
             torch.save([p.detach() for p in model.parameters()], rest[1])
-    elif mode == "kill-during-save":
+    elif mode in ("kill-during-save", "kill-during-async-save"):
         train(model, optimizer, 0, 2)
         checkpoint.save(path, model, optimizer, extra={"step": 2})
         train(model, optimizer, 2, 1)
@@ -54,7 +58,12 @@ def main(mode, path, *rest):
             def die(*args):
                 os.kill(os.getpid(), signal.SIGKILL)
             writer._write_own = die
-        checkpoint.save(path, model, optimizer, extra={"step": 3})
+        if mode == "kill-during-save":
+            checkpoint.save(path, model, optimizer, extra={"step": 3})
+        else:
+            handle = checkpoint.save_async(path, model, optimizer, extra={"step": 3})
+            train(model, optimizer, 3, 20)
+            handle.wait()
     elif mode == "grow":
         checkpoint.save(path, model, optimizer, extra={"step": 1})
         padding = torch.ones(int(rest[0]) * 2**18)      # MB megabytes of float32

@@ -47,9 +47,12 @@ def test_resharding_continues_like_an_uninterrupted_run(saved, tmp_path, saved_o
 
 
 @pytest.mark.timeout(300)
-def test_rank_killed_during_save_leaves_last_checkpoint(tmp_path):
+@pytest.mark.parametrize("mode", ["kill-during-save", "kill-during-async-save"])
+def test_rank_killed_during_save_leaves_last_checkpoint(tmp_path, mode):
+    """The async save's writer thread kills its rank in the middle of the background write,
+    while the main threads train."""
     path = str(tmp_path / "ck.h5")
-    run = mpiexec(2, [JOB, "kill-during-save", path], timeout=120)
+    run = mpiexec(2, [JOB, mode, path], timeout=120)
     assert run.returncode != 0
     assert checkpoint.latest(str(tmp_path)) == path
     model = make_model()

@@ -1,5 +1,6 @@
 """Tests of ``tensorplay-hpc train``: data, model, history, and resumes that reproduce an
 uninterrupted run exactly; in process at every world size, and as a program under mpiexec."""
+import csv
 import json
 import os
 import shutil
@@ -16,7 +17,9 @@ from mpi4py import MPI
 from tensorplay_hpc import checkpoint
 from tensorplay_hpc.train.config import TrainConfig
 from tensorplay_hpc.train.data import VALIDATION_EVERY, Corpus, batch_for_rank, stdlib_files
+from tensorplay_hpc.train.data import VOCAB_SIZE
 from tensorplay_hpc.train.history import History
+from tensorplay_hpc.train.model import CharTransformer
 from tensorplay_hpc.train.loop import EXIT_PREEMPTED, _threads_per_rank, train
 from tensorplay_hpc.train.run_folder import RunFolderInUse
 from tensorplay_hpc.train.preemption import Preemption
@@ -86,17 +89,22 @@ def test_rank_slices_make_up_the_global_batch():
 
 def test_history_survives_a_checkpoint_extra_and_writes_csv(tmp_path):
     history = History(losses=[5.5, 4.25, 3.0], tokens_per_second=[10.0, 20.0, 30.0],
-                      validation={2: 4.5, 3: 3.5}, restarts=[1])
+                      bytes_communicated=[4096, 4104], validation={2: 4.5, 3: 3.5}, restarts=[1])
     assert History.from_extra(history.to_extra()) == history
     history.write_csv(tmp_path / "m.csv")
     assert (tmp_path / "m.csv").read_text().splitlines() == [
-        "step,loss,validation_loss,tokens_per_second,restart",
-        "1,5.500000,,10.0,0", "2,4.250000,4.500000,20.0,1", "3,3.000000,3.500000,30.0,0"]
+        "step,loss,validation_loss,tokens_per_second,bytes_communicated,restart",
+        "1,5.500000,,10.0,,0", "2,4.250000,4.500000,20.0,4096,1",
+        "3,3.000000,3.500000,30.0,4104,0"]
 
 
 def test_settings_are_checked():
     with pytest.raises(ValueError, match="--optimizer must be one of zero, postlocal, ddp, local"):
         TrainConfig(optimizer="adagrad")
+    with pytest.raises(ValueError, match="--comm-hook fp16 needs --optimizer zero or ddp"):
+        TrainConfig(optimizer="postlocal", comm_hook="fp16")
+    with pytest.raises(ValueError, match="--comm-hook must be one of none, fp16, bf16, "):
+        TrainConfig(comm_hook="int8")
     with pytest.raises(ValueError, match="--width must be at least 1"):
         TrainConfig(width=0)
     with pytest.raises(ValueError, match="the checkpoint has --width 64, this run --width 128"):
@@ -131,6 +139,33 @@ def test_signal_checkpoint_and_resume_reproduce_an_uninterrupted_run(shared_dir,
     assert losses(parts) == expected
     assert restarts(parts) == [4, 5]
     assert rest.loss == whole.loss
+
+
+@pytest.mark.parametrize("optimizer, hook", [
+    ("ddp", "fp16"), ("ddp", "bf16"), ("zero", "powersgd"), ("ddp", "hierarchical")])
+def test_comm_hooks_train_and_resume_exactly(shared_dir, optimizer, hook):
+    """PowerSGD compresses from step 3 on (after a 2-step warm-up), so the resume at step 4
+    needs its error feedback and factors from the checkpoint."""
+    settings = dict(optimizer=optimizer, comm_hook=hook, powersgd_rank=2)
+    whole = train_here(tiny(shared_dir / "whole", steps=6, **settings))
+    expected = losses(shared_dir / "whole")
+    assert whole.steps == 6 and float(expected[-1]) < float(expected[0])
+    parts = shared_dir / "parts"
+    train_here(tiny(parts, steps=4, **settings))
+    rest = train_here(tiny(parts, steps=6, resume=True, **settings))
+    assert losses(parts) == expected and rest.loss == whole.loss
+
+
+def test_metrics_count_the_bytes_of_each_step_and_fp16_halves_the_gradients(shared_dir):
+    counts = {}
+    for hook in ("none", "fp16"):
+        train_here(tiny(shared_dir / hook, optimizer="ddp", comm_hook=hook, steps=2))
+        with open(shared_dir / hook / "metrics.csv", newline="") as f:
+            counts[hook] = [int(row["bytes_communicated"]) for row in csv.DictReader(f)]
+    model = CharTransformer(VOCAB_SIZE, 16, 32, 1, 2)
+    gradients = sum(p.numel() for p in model.parameters())
+    assert counts["none"][0] == counts["none"][1] > 4 * gradients
+    assert [a - b for a, b in zip(counts["none"], counts["fp16"])] == [2 * gradients] * 2
 
 
 def test_a_new_run_refuses_a_folder_with_an_earlier_run_and_resume_names_changed_settings(

@@ -1,17 +1,22 @@
 """Checkpoints of ZeRO-Adam over the benchmark MLP: our parallel HDF5 save and load against
 PyTorch's path (ZeroRedundancyOptimizer.consolidate_state_dict on rank 0, then torch.save; on
 load, torch.load and load_state_dict on every rank), and our write bandwidth against a raw h5py
-``mpio`` write of the same bytes (each rank writes its share of one dataset). For a replicated
+``mpio`` write of the same bytes (each rank writes its share of one dataset), without and with
+the ``fsync`` a checkpoint needs before its rename. For a replicated
 (plain Adam) checkpoint, the load's bytes read per rank and time against every rank reading the
 whole file (the loader before replicated entries were read once and broadcast) and torch.load.
 Save and load of ZeRO-Adam over 50,000 tiny parameters, where per-tensor work dominates, against
-PyTorch's path again."""
+PyTorch's path again. The background save (``save_async``): how long it stalls training against
+a blocking save of the same state, and a training step while the file is written against one
+without."""
 from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import tempfile
-from typing import Callable, Tuple
+import time
+from typing import Callable, List
 
 import h5py
 import numpy as np
@@ -40,8 +45,70 @@ def _stepped(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     optimizer.step()
 
 
-def _raw_write(path: str, nbytes: int, world: MPI.Intracomm):
-    """The limit: one float32 dataset of ``nbytes``, each rank writing its contiguous share."""
+def _training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+    """A forward, backward and optimizer step of the benchmark MLP on a batch of 32."""
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(32, model[0].in_features, generator=generator)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        model(x).square().mean().backward()
+        optimizer.step()
+    return step
+
+
+def _slowest(seconds: float, world: MPI.Intracomm) -> float:
+    return world.allreduce(seconds, op=MPI.MAX)
+
+
+def _background_save(report: Report, folder: str, world: MPI.Intracomm, repeat: int) -> None:
+    """The stall of ``save_async`` against a blocking save of the same ZeRO-Adam state, and a
+    training step started right after it returns (so it runs during the background write)
+    against a step without one. Each sample is the slowest rank's; the medians are reported."""
+    model = mlp()
+    optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
+    step = _training_step(model, optimizer)
+    step()
+    path = os.path.join(folder, "async.h5")
+    samples: List[List[float]] = [[], [], [], [], []]
+    overlapped = 0      # samples whose write outlasted the step on every rank
+    with checkpoint.AsyncCheckpointer(world) as checkpointer:
+        for sample in range(repeat + 1):                      # the first is the warm-up
+            world.Barrier()
+            started = time.perf_counter()
+            checkpoint.save(path, model, optimizer, process_group=world)
+            blocking = _slowest(time.perf_counter() - started, world)
+            world.Barrier()
+            started = time.perf_counter()
+            step()
+            alone = _slowest(time.perf_counter() - started, world)
+            world.Barrier()
+            started = time.perf_counter()
+            handle = checkpointer.save(path, model, optimizer)
+            stall = _slowest(time.perf_counter() - started, world)
+            started = time.perf_counter()
+            step()
+            during = _slowest(time.perf_counter() - started, world)
+            overlapped += sample and world.allreduce(not handle.done(), op=MPI.LAND)
+            handle.wait()
+            if sample:
+                for values, value in zip(samples, (blocking, stall, alone, during,
+                                                   _slowest(handle.write_seconds, world))):
+                    values.append(value)
+        host_bytes = world.allreduce(checkpointer.host_bytes)
+    blocking_s, stall_s, alone_s, during_s, write_s = (
+        statistics.median(values) for values in samples)
+    nbytes = os.path.getsize(path)
+    report.add("checkpoint", "async save stall (zero adam)", stall_s, "blocking-save", blocking_s,
+               nbytes=nbytes, background_write_s=write_s, host_buffer_bytes=host_bytes,
+               threaded=checkpointer.threaded)
+    report.add("checkpoint", "training step during async save", during_s, "training step",
+               alone_s, samples=len(samples[0]), write_outlasted_step=overlapped)
+
+
+def _raw_write(path: str, nbytes: int, world: MPI.Intracomm, durable: bool = False):
+    """The limit: one float32 dataset of ``nbytes``, each rank writing its contiguous share;
+    ``durable``: then rank 0 ``fsync``s the file, as a checkpoint save does before its rename."""
     n = nbytes // 4
     share = n // world.size
     start = world.rank * share
@@ -51,7 +118,29 @@ def _raw_write(path: str, nbytes: int, world: MPI.Intracomm):
     def write() -> None:
         with h5py.File(path, "w", driver="mpio", comm=world) as f:
             f.create_dataset("data", shape=(n,), dtype=np.float32)[start:stop] = data
+        if durable and world.rank == 0:
+            fd = os.open(path, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+        world.Barrier()
     return write
+
+
+def _write_bandwidth(report: Report, folder: str, world: MPI.Intracomm, nbytes: int) -> None:
+    """A blocking save of ZeRO-Adam over the MLP against raw h5py writes of as many bytes,
+    without and with the ``fsync`` that makes a checkpoint durable, measured together."""
+    model = mlp()
+    optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
+    _stepped(model, optimizer)
+    raw = os.path.join(folder, "raw.h5")
+    save_s, raw_s, durable_s = compare(
+        [lambda: checkpoint.save(os.path.join(folder, "ours.h5"), model, optimizer),
+         _raw_write(raw, nbytes, world), _raw_write(raw, nbytes, world, durable=True)],
+        REPEAT, warmup=1)
+    for baseline, seconds in (("h5py-raw", raw_s), ("h5py-raw+fsync", durable_s)):
+        report.add("checkpoint", "save write bandwidth", save_s, baseline, seconds, nbytes=nbytes,
+                   ours_GBps=round(nbytes / save_s / 1e9, 3),
+                   raw_GBps=round(nbytes / seconds / 1e9, 3))
 
 
 def _bytes_read(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -101,9 +190,9 @@ def _replicated_load(report: Report, folder: str, world: MPI.Intracomm) -> None:
 
 def _zero_save_and_load(report: Report, folder: str, world: MPI.Intracomm,
                         make_model: Callable[[], torch.nn.Module], what: str,
-                        repeat: int = REPEAT, warmup: int = 1) -> Tuple[float, int]:
+                        repeat: int = REPEAT, warmup: int = 1) -> int:
     """Save and load of ZeRO-Adam over ``make_model()``, ours against PyTorch's path; returns
-    our save time and the file's size."""
+    the file's size."""
     model = make_model()
     ours = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
     _stepped(model, ours)
@@ -134,7 +223,7 @@ def _zero_save_and_load(report: Report, folder: str, world: MPI.Intracomm,
                                     torch_load], repeat, warmup)
     report.add("checkpoint", f"load (zero adam{what})", load_s, "torch-save", torch_load_s,
                nbytes=nbytes)
-    return save_s, nbytes
+    return nbytes
 
 
 def run(report: Report) -> None:
@@ -142,12 +231,10 @@ def run(report: Report) -> None:
     init_gloo(world)
     folder = world.bcast(tempfile.mkdtemp(prefix="tensorplay-bench-") if world.rank == 0 else None)
     try:
-        save_s, nbytes = _zero_save_and_load(report, folder, world, mlp, "")
-        (raw_s,) = compare([_raw_write(os.path.join(folder, "raw.h5"), nbytes, world)],
-                           REPEAT, warmup=1)
-        report.add("checkpoint", "save write bandwidth", save_s, "h5py-raw", raw_s, nbytes=nbytes,
-                   ours_GBps=round(nbytes / save_s / 1e9, 3), raw_GBps=round(nbytes / raw_s / 1e9, 3))
+        nbytes = _zero_save_and_load(report, folder, world, mlp, "")
+        _write_bandwidth(report, folder, world, nbytes)
         _replicated_load(report, folder, world)
+        _background_save(report, folder, world, report.repeat)
         _zero_save_and_load(report, folder, world, tiny_parameters,
                             f", {TINY_COUNT:,} tiny parameters", TINY_REPEAT, TINY_WARMUP)
     finally:

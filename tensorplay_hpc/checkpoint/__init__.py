@@ -2,6 +2,8 @@
 once, loadable at any world size. See ``docs/checkpoints.md`` for the file format.
 
     checkpoint.save(path, model=model, optimizer=optimizer, extra={"step": step})
+    handle = checkpoint.save_async(path, model=model, optimizer=optimizer)   # returns at once
+    handle.wait()
     extra = checkpoint.load(path, model=model, optimizer=optimizer)
 
 ``tensorplay-hpc checkpoint info|list|export|import`` inspects, lists and converts files.
@@ -13,16 +15,18 @@ from typing import Any, Dict, Optional
 import torch
 from mpi4py import MPI
 
-from tensorplay_hpc.comm import ProcessGroup, agree
+from tensorplay_hpc.comm import ProcessGroup, agree, resolve
 
-from . import collector, restore, snapshot, writer
+from . import background, collector, restore, snapshot, writer
+from .background import AsyncCheckpointer, SaveHandle
 from .files import checkpoints, latest
 from .format import CheckpointError
 from .optimizers import Checkpointable
 from .reader import Reader
 from .replicas import Replicas
 
-__all__ = ["CheckpointError", "Reader", "checkpoints", "latest", "load", "save"]
+__all__ = ["AsyncCheckpointer", "CheckpointError", "Reader", "SaveHandle", "checkpoints",
+           "close_async", "latest", "load", "save", "save_async"]
 
 
 @collector.paused()
@@ -38,7 +42,8 @@ def save(path: str, model: Optional[torch.nn.Module] = None,
     across nodes, between averagings), is this rank's group of ranks holding the same copy (a
     sub-communicator of ``process_group``, such as the node's): each group's copy is saved.
     ``extra`` holds this rank's own values (epoch, RNG states, data position); tensors and
-    arrays in it become datasets. The file appears at ``path`` only once complete.
+    arrays in it become datasets. The file appears at ``path`` only once complete. A background
+    save (:func:`save_async`) still being written is let finish first.
 
     ``keep`` then deletes the older checkpoints of this run beyond the newest ``keep``. The run
     is ``path``'s folder and name pattern: the files whose names differ from ``path``'s only in
@@ -54,18 +59,56 @@ def save(path: str, model: Optional[torch.nn.Module] = None,
     Raises:
         CheckpointError: on every rank, if any rank failed; the previous file is untouched.
     """
-    group = ProcessGroup(process_group)
+    background.join_writers()
+    group = ProcessGroup(process_group, owner="checkpoint.save")
     try:
-        error, snap = None, None
-        try:
-            replicas = Replicas(group.comm, replica_group)
-            snap = snapshot.take(group.rank, replicas, model, optimizer, extra)
-        except Exception as failure:
-            error = failure
-        agree(group.comm, error, f"saving checkpoint {path}", CheckpointError)
+        snap = snapshot.collect(group.comm, path, model, optimizer, extra, replica_group)
         return writer.write(path, snap, group.comm, keep)
     finally:
         group.close()
+
+
+_checkpointers: Dict[int, AsyncCheckpointer] = {}
+
+
+def save_async(path: str, model: Optional[torch.nn.Module] = None,
+               optimizer: Optional[Checkpointable] = None, extra: Optional[Dict[str, Any]] = None,
+               process_group: Optional[MPI.Intracomm] = None, keep: Optional[int] = None,
+               replica_group: Optional[MPI.Intracomm] = None) -> SaveHandle:
+    """Save a checkpoint in the background: every rank copies its part of the state to host
+    buffers (kept for the next save; pinned for GPU tensors) and returns; the file is written
+    while training continues. Collective over ``process_group``; the arguments and the file are
+    those of :func:`save`.
+
+    One save per process group is in flight at a time: a new one first waits for the previous.
+    The writer of each process group (its thread, host buffers and private communicator) is
+    made at its first save and freed by :func:`close_async`. Below ``MPI_THREAD_MULTIPLE`` the
+    file is written in ``handle.wait()`` instead (see :class:`AsyncCheckpointer`).
+
+    Returns:
+        A :class:`SaveHandle`: ``wait()`` (collective) returns the path or raises the same
+        :class:`CheckpointError` on every rank; ``done()`` says whether the write has finished.
+
+    Raises:
+        CheckpointError: on every rank, if taking the snapshot failed on any rank, or the
+            previous save failed and was not waited for.
+    """
+    key = resolve(process_group).py2f()
+    if key not in _checkpointers:
+        _checkpointers[key] = AsyncCheckpointer(process_group)
+    return _checkpointers[key].save(path, model, optimizer, extra, keep, replica_group)
+
+
+def close_async(process_group: Optional[MPI.Intracomm] = None) -> None:
+    """Wait for the background save of ``process_group`` (if any) and free its writer. Collective;
+    does nothing when :func:`save_async` never ran on that group.
+
+    Raises:
+        CheckpointError: if that save failed and was not waited for.
+    """
+    checkpointer = _checkpointers.pop(resolve(process_group).py2f(), None)
+    if checkpointer is not None:
+        checkpointer.close()
 
 
 @collector.paused()

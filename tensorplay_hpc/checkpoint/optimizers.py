@@ -7,15 +7,17 @@ plus any further datasets under ``/optimizer`` its kind needs.
 
 - a plain ``torch.optim`` optimizer is replicated: the ranks of each replica share the writing
   of its copy, and the reading (each dataset read by one rank and broadcast);
-- ``ZeroRedundancyOptimizer``: each rank writes and reads the state of the parameters it owns;
+- a :class:`ShardedOptimizer` (``ZeroRedundancyOptimizer``, ``DistributedOptimizer``): each
+  rank writes and reads the state of the parameters it owns, through the optimizer's
+  ``owned_indices``, ``owned_state``, ``indexed_param_groups`` and its load of that state;
 - ``PostLocalSGDOptimizer``: its inner optimizer, plus the averager's step counter;
-- ``DistributedOptimizer``: each owner writes and reads the state and the values of the
-  parameters it holds (the values live in its window memory, not in a model).
+- ``DistributedOptimizer``: also the values of the parameters each owner holds (they live in
+  its window memory, not in a model).
 """
 from __future__ import annotations
 
 from itertools import zip_longest
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, Sequence, Union
 
 import torch
 
@@ -99,31 +101,47 @@ class OptimizerAdapter:
         self.optimizer.load_state_dict({"state": state, "param_groups": param_groups})
 
 
-class ZeroAdapter(OptimizerAdapter):
-    kind = "zero"
+class ShardedOptimizer(Protocol):
+    """What a checkpoint needs of an optimizer whose state is split between the ranks (each
+    parameter's state held by one rank): ``ZeroRedundancyOptimizer`` and
+    ``DistributedOptimizer`` implement it. Indices are global (``state_dict``'s numbering)."""
+
+    def owned_indices(self) -> List[int]:
+        """The parameters whose state this rank holds."""
+
+    def owned_state(self) -> State:
+        """Their state (parameters not stepped yet have none), in dicts the caller may keep."""
+
+    def indexed_param_groups(self) -> List[Dict[str, Any]]:
+        """The param groups: hyperparameters, and ``params`` as global indices."""
+
+
+class ShardedAdapter(OptimizerAdapter):
+    """A :class:`ShardedOptimizer`: each rank writes and reads the state it holds."""
+
     replicated = False
+
+    def param_groups(self) -> List[Dict[str, Any]]:
+        return self.optimizer.indexed_param_groups()
+
+    def state_to_write(self, rank: int, writers: Sequence[int]) -> State:
+        return self.optimizer.owned_state()
+
+    def indices_to_read(self, rank: int) -> Optional[List[int]]:
+        return self.optimizer.owned_indices()
+
+
+class ZeroAdapter(ShardedAdapter):
+    kind = "zero"
 
     @property
     def optimizer_class(self) -> str:
         return class_name(type(self.optimizer.optim))
 
-    def param_groups(self) -> List[Dict[str, Any]]:
-        index_of = {id(p): i for i, p in enumerate(self.optimizer.params_by_index)}
-        return [{**{k: v for k, v in group.items() if k != "params"},
-                 "params": [index_of[id(p)] for p in group["params"]]}
-                for group in self.optimizer.param_groups]
-
-    def state_to_write(self, rank: int, writers: Sequence[int]) -> State:
-        return self.optimizer.local_state_by_index()
-
-    def indices_to_read(self, rank: int) -> Optional[List[int]]:
-        return [i for i, owner in enumerate(self.optimizer.partition.rank_of) if owner == rank]
-
     def load(self, state: State, param_groups: List[Dict[str, Any]], attributes: Dict[str, Any],
              tensors: Dict[str, torch.Tensor]) -> None:
         # The state was read from the file for this optimizer alone: kept, not copied again.
-        self.optimizer._load_state_dict({"state": state, "param_groups": param_groups},
-                                        copies=False)
+        self.optimizer.load_owned_state(state, param_groups)
 
 
 class PostLocalSGDAdapter(OptimizerAdapter):
@@ -167,7 +185,7 @@ def parameter_name(index: int) -> str:
     return f"optimizer/parameters/{index}"
 
 
-class DistributedOptimizerAdapter(OptimizerAdapter):
+class DistributedOptimizerAdapter(ShardedAdapter):
     """A ``DistributedOptimizer``: global index = position in its sorted ``(owner, index)`` keys.
 
     Each owner writes and reads back the values and state of the parameters it owns, straight
@@ -176,15 +194,10 @@ class DistributedOptimizerAdapter(OptimizerAdapter):
     """
 
     kind = "distributed"
-    replicated = False
 
     @property
     def optimizer_class(self) -> str:
         return class_name(self.optimizer.optimizer_class)
-
-    def param_groups(self) -> List[Dict[str, Any]]:
-        return [{**self.optimizer.hyperparameters,
-                 "params": list(range(len(self.optimizer.parameter_refs)))}]
 
     def attributes(self) -> Dict[str, Any]:
         return {"parameters": self._structure()}
@@ -192,12 +205,6 @@ class DistributedOptimizerAdapter(OptimizerAdapter):
     def _structure(self) -> List[list]:
         return [[ref.owner(), ref.index, list(ref.shape), dtype_name(ref.dtype)]
                 for ref in self.optimizer.parameter_refs]
-
-    def state_to_write(self, rank: int, writers: Sequence[int]) -> State:
-        return self.optimizer.owned_state()
-
-    def indices_to_read(self, rank: int) -> Optional[List[int]]:
-        return self.optimizer.owned_indices()
 
     def tensors_to_write(self, rank: int) -> Dict[str, torch.Tensor]:
         return {parameter_name(i): value

@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import datetime
+import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
+from mpi4py import MPI
+
+from tensorplay_hpc.comm import agree
 
 from . import format as fmt
 from . import values
@@ -128,4 +132,26 @@ def take(rank: int, replicas: Replicas, model: Optional[torch.nn.Module] = None,
         snap.datasets += adapter.tensors_to_write(rank).items()
     add_extra(snap, extra, rank)
     add_metadata(snap, rank, size, _step_of(extra, attributes), replicas.describe())
+    return snap
+
+
+def collect(comm: MPI.Intracomm, path: str, model: Optional[torch.nn.Module],
+            optimizer: Optional[Checkpointable], extra: Optional[Dict[str, Any]],
+            replica_group: Optional[MPI.Intracomm] = None,
+            copy: Optional[Callable[[List[Tuple[str, torch.Tensor]]],
+                                    List[Tuple[str, torch.Tensor]]]] = None) -> Snapshot:
+    """:func:`take` on every rank of ``comm`` (``replica_group`` as ``save`` takes it), its
+    tensors passed through ``copy`` if given. Collective.
+
+    Raises:
+        CheckpointError: on every rank, if any rank failed.
+    """
+    error, snap = None, Snapshot()
+    try:
+        snap = take(comm.Get_rank(), Replicas(comm, replica_group), model, optimizer, extra)
+        if copy is not None:
+            snap.datasets = copy(snap.datasets)
+    except Exception as failure:
+        error = failure
+    agree(comm, error, f"saving checkpoint {os.path.abspath(path)}", fmt.CheckpointError)
     return snap

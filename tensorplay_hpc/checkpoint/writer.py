@@ -3,9 +3,12 @@
 The ranks first agree on the whole layout (names, shapes, dtypes, checksums, attributes) in one
 small exchange of metadata; then the datasets are created collectively, as HDF5 requires (a few:
 small tensors share one per dtype, see :mod:`.catalog`), and each rank writes its own tensors
-straight into them, one write per run of neighbouring tensors. Rank 0 writes the catalog. Everything goes to a temporary
-file in the target folder, renamed over the target only after every rank has succeeded, so a
-crash or a full disk never touches the last good checkpoint.
+straight into them, one write per run of neighbouring tensors. Rank 0 writes the catalog.
+Everything goes to a temporary file in the target folder, renamed over the target only after
+every rank has succeeded, so a crash or a full disk never touches the last good checkpoint.
+
+The three phases, :func:`plan`, :func:`write_data` and :func:`commit`, are what a blocking
+save runs in a row and what a background save (:mod:`.background`) runs on its own thread.
 
 Without a parallel h5py the same file is written serially, rank after rank.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections import Counter
+from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import h5py
@@ -140,11 +144,25 @@ def _write_serial(temporary: str, catalog: Catalog, root_attributes: dict, array
     return error
 
 
-def write(path: str, snapshot: Snapshot, comm: MPI.Intracomm, keep: Optional[int] = None) -> str:
-    """Write ``snapshot`` (this rank's part) into the checkpoint file ``path``. Collective.
+@dataclass
+class Layout:
+    """A save after :func:`plan`: the file's layout, agreed on every rank, and this rank's
+    arrays; the temporary file exists (empty) in the target folder."""
 
-    Returns the absolute path. Raises :class:`~.format.CheckpointError` on every rank if any
-    rank fails; the previous file at ``path`` (if any) is then left as it was.
+    path: str
+    temporary: str
+    catalog: Catalog
+    root_attributes: dict
+    arrays: Arrays
+
+
+def plan(path: str, snapshot: Snapshot, comm: MPI.Intracomm,
+         keep: Optional[int] = None) -> Layout:
+    """The first phase of a save: agree on the layout (every tensor's name, shape, dtype and
+    checksum, and the attributes) and create the temporary file. Collective.
+
+    Raises:
+        CheckpointError: on every rank, if any rank failed.
     """
     path = os.path.abspath(path)
     rank = comm.Get_rank()
@@ -176,7 +194,6 @@ def write(path: str, snapshot: Snapshot, comm: MPI.Intracomm, keep: Optional[int
         duplicate = next(n for n, count in Counter(names).items() if count > 1)
         raise fmt.CheckpointError(f"{what}: dataset {duplicate!r} is written by two ranks")
     catalog = Catalog.lay_out(names, shapes, dtypes, crcs, attributes)
-    root_attributes = attributes.get("", {})
 
     temporary = comm.bcast(files.temporary_name(path) if rank == 0 else None, root=0)
     error = None
@@ -198,26 +215,62 @@ def write(path: str, snapshot: Snapshot, comm: MPI.Intracomm, keep: Optional[int
         if rank == 0:
             files.discard(temporary)
         raise
+    return Layout(path, temporary, catalog, attributes.get("", {}), arrays)
+
+
+def write_data(layout: Layout, comm: MPI.Intracomm) -> Layout:
+    """The second phase: every rank writes its arrays into the temporary file (in parallel, or
+    rank after rank without a parallel h5py). Collective.
+
+    Raises:
+        CheckpointError: on every rank, if any rank failed; the temporary file is deleted.
+    """
+    args = (layout.temporary, layout.catalog, layout.root_attributes, layout.arrays, comm)
     if parallel_available():
-        error = _write_parallel(temporary, catalog, root_attributes, arrays, comm)
+        error = _write_parallel(*args)
     else:
-        if rank == 0:
-            warnings.warn(SERIAL_WARNING, RuntimeWarning, stacklevel=3)
-        error = _write_serial(temporary, catalog, root_attributes, arrays, comm)
+        if comm.Get_rank() == 0:
+            warnings.warn(SERIAL_WARNING, RuntimeWarning, stacklevel=4)
+        error = _write_serial(*args)
     try:
-        agree(comm, error, what, fmt.CheckpointError)    # every rank wrote its part...
-        error = None
-        if rank == 0:                                    # ...before the file replaces the old one
-            try:
-                files.commit(temporary, path)
-            except Exception as failure:
-                error = failure
-        agree(comm, error, what, fmt.CheckpointError)
+        agree(comm, error, f"saving checkpoint {layout.path}", fmt.CheckpointError)
     except fmt.CheckpointError:
-        if rank == 0:
-            files.discard(temporary)
+        if comm.Get_rank() == 0:
+            files.discard(layout.temporary)
         raise
+    return layout
+
+
+def commit(layout: Layout, comm: MPI.Intracomm, keep: Optional[int] = None) -> str:
+    """The last phase, once every rank has written its part: rank 0 renames the file over the
+    target (atomically, durably) and prunes the run to ``keep`` checkpoints. Collective.
+
+    Returns:
+        The checkpoint's absolute path.
+
+    Raises:
+        CheckpointError: on every rank, if the rename failed; the temporary file is deleted.
+    """
+    rank = comm.Get_rank()
+    error = None
+    if rank == 0:
+        try:
+            files.commit(layout.temporary, layout.path)
+        except Exception as failure:
+            error = failure
+            files.discard(layout.temporary)
+    agree(comm, error, f"saving checkpoint {layout.path}", fmt.CheckpointError)
     if keep is not None and rank == 0:
-        files.prune(path, keep)
+        files.prune(layout.path, keep)
     comm.Barrier()
-    return path
+    return layout.path
+
+
+def write(path: str, snapshot: Snapshot, comm: MPI.Intracomm, keep: Optional[int] = None) -> str:
+    """Write ``snapshot`` (this rank's part) into the checkpoint file ``path``: :func:`plan`,
+    :func:`write_data`, :func:`commit`. Collective.
+
+    Returns the absolute path. Raises :class:`~.format.CheckpointError` on every rank if any
+    rank fails; the previous file at ``path`` (if any) is then left as it was.
+    """
+    return commit(write_data(plan(path, snapshot, comm, keep), comm), comm, keep)

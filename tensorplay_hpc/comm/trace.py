@@ -35,6 +35,8 @@ _kept: Optional[List["Operation"]] = None
 _directory: Optional[Path] = None
 _written = False
 _thread = threading.local()   # the current thread's name, looked up once per thread
+_communicated = [0]           # bytes handed to collectives and one-sided operations
+_count_lock = threading.Lock()   # DDP's communication thread counts too
 
 
 def _thread_name() -> str:
@@ -101,15 +103,28 @@ def communicator_name(comm: MPI.Comm) -> str:
     return comm.Get_name() or f"unnamed communicator of {comm.Get_size()} ranks"
 
 
+def _count(nbytes: int) -> None:
+    with _count_lock:
+        _communicated[0] += nbytes
+
+
+def bytes_communicated() -> int:
+    """Bytes of this rank's data handed to collectives and one-sided operations so far (the
+    sizes that their trace entries record), traced or not. Local."""
+    return _communicated[0]
+
+
 def collective(name: str, comm: MPI.Comm, nbytes: int, asynchronous: bool = False) -> Operation:
     """A collective on ``comm`` moving ``nbytes`` of this rank's data, to run in a ``with``
     block. Local."""
+    _count(nbytes)
     return Operation(name, "collective", communicator_name(comm), nbytes, asynchronous)
 
 
 def rma(name: str, comm_name: str, nbytes: int) -> Operation:
     """A one-sided operation (or epoch) on a window over the communicator called ``comm_name``
     (:func:`communicator_name`), in a ``with`` block. Local."""
+    _count(nbytes)
     return Operation(name, "rma", comm_name, nbytes, False)
 
 

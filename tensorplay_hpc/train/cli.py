@@ -5,7 +5,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .config import DEVICES, INNER_OPTIMIZERS, OPTIMIZERS, TrainConfig, UsageError
+from .config import COMM_HOOKS, DEVICES, INNER_OPTIMIZERS, OPTIMIZERS, TrainConfig, UsageError
 from .preemption import EXIT_PREEMPTED, Preemption
 
 DESCRIPTION = f"""\
@@ -37,8 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     option(what, "--steps", "optimizer steps in total", type=int)
     option(what, "--seed", "seed of the initial weights and of the batches", type=int)
     option(what, "--average-period", "postlocal: steps between model averagings", type=int)
-    option(what, "--warmup-steps", "postlocal: steps of global gradient averaging first",
-           type=int)
+    option(what, "--warmup-steps", "postlocal: steps of global gradient averaging first; "
+           "powersgd: steps of plain averaging before compression (at least 2)", type=int)
+    option(what, "--comm-hook", "zero and ddp: how gradients are averaged: none (allreduce), "
+           "fp16 or bf16 (compressed to 16 bits), powersgd (low-rank compression with error "
+           "feedback), hierarchical (within nodes, then across them)", choices=COMM_HOOKS)
+    option(what, "--powersgd-rank", "powersgd: rank of the gradient approximation", type=int)
     model = parser.add_argument_group("model")
     option(model, "--layers", "transformer blocks", type=int)
     option(model, "--width", "embedding width", type=int)

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 OPTIMIZERS = ("zero", "postlocal", "ddp", "local")
+COMM_HOOKS = ("none", "fp16", "bf16", "powersgd", "hierarchical")
 INNER_OPTIMIZERS = ("sgd", "adam", "adamw")
 DEVICES = ("cpu", "cuda")
 
@@ -35,6 +36,8 @@ class TrainConfig:
     steps: int = 1600
     average_period: int = 4
     warmup_steps: int = 50
+    comm_hook: str = "none"
+    powersgd_rank: int = 4
     eval_every: int = 100
     eval_batches: int = 4
     run_dir: Path = Path("run")
@@ -54,13 +57,18 @@ class TrainConfig:
         self.run_dir = Path(self.run_dir)
         self.trace = None if self.trace is None else Path(self.trace)
         self.checkpoint_dir = Path(self.checkpoint_dir or self.run_dir / "checkpoints")
-        choices = {"optimizer": OPTIMIZERS, "inner": INNER_OPTIMIZERS, "device": DEVICES}
+        choices = {"optimizer": OPTIMIZERS, "inner": INNER_OPTIMIZERS, "device": DEVICES,
+                   "comm_hook": COMM_HOOKS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
-                raise ValueError(f"--{name} must be one of {', '.join(allowed)}, "
-                                 f"got {getattr(self, name)!r}")
+                raise ValueError(f"--{name.replace('_', '-')} must be one of "
+                                 f"{', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.comm_hook != "none" and self.optimizer not in ("zero", "ddp"):
+            raise ValueError(f"--comm-hook {self.comm_hook} needs --optimizer zero or ddp (the "
+                             "DistributedDataParallel kinds; postlocal has its own hook), got "
+                             f"--optimizer {self.optimizer}")
         for name in ("batch_size", "layers", "width", "heads", "context", "average_period",
-                     "eval_batches"):
+                     "eval_batches", "powersgd_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, "
                                  f"got {getattr(self, name)}")

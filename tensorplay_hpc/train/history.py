@@ -18,6 +18,9 @@ class History:
     losses: List[float] = field(default_factory=list)
     """Mean training loss over the ranks, one per step (``losses[s]`` is step ``s + 1``)."""
     tokens_per_second: List[float] = field(default_factory=list)
+    bytes_communicated: List[int] = field(default_factory=list)
+    """Bytes rank 0 handed to MPI collectives in each step (gradients, parameters, averaging,
+    the loss), as :func:`tensorplay_hpc.comm.trace.bytes_communicated` counts them."""
     validation: Dict[int, float] = field(default_factory=dict)
     """Validation loss by the step after which it was measured."""
     restarts: List[int] = field(default_factory=list)
@@ -31,8 +34,10 @@ class History:
     def to_extra(self) -> Dict[str, Any]:
         """Plain values for a checkpoint's ``extra``."""
         return {"losses": list(self.losses), "tokens_per_second": list(self.tokens_per_second),
-                "validation_steps": list(self.validation), "validation_losses":
-                list(self.validation.values()), "restarts": list(self.restarts)}
+                "bytes_communicated": list(self.bytes_communicated),
+                "validation_steps": list(self.validation),
+                "validation_losses": list(self.validation.values()),
+                "restarts": list(self.restarts)}
 
     @classmethod
     def from_extra(cls, extra: Dict[str, Any]) -> "History":
@@ -41,19 +46,24 @@ class History:
             return [float(v) for v in extra.get(key, [])]
         steps = [int(s) for s in extra.get("validation_steps", [])]
         return cls(losses=floats("losses"), tokens_per_second=floats("tokens_per_second"),
+                   bytes_communicated=[int(b) for b in extra.get("bytes_communicated", [])],
                    validation=dict(zip(steps, floats("validation_losses"))),
                    restarts=[int(s) for s in extra.get("restarts", [])])
 
     def write_csv(self, path: Path) -> None:
-        """One row per step: ``step,loss,validation_loss,tokens_per_second,restart``."""
+        """One row per step: ``step,loss,validation_loss,tokens_per_second,bytes_communicated,
+        restart`` (bytes empty for steps of runs saved before they were counted)."""
         path.parent.mkdir(parents=True, exist_ok=True)
         restarts = set(self.restarts)
         with open(path, "w", newline="") as f:
             writer = csv.writer(f)
-            writer.writerow(["step", "loss", "validation_loss", "tokens_per_second", "restart"])
+            writer.writerow(["step", "loss", "validation_loss", "tokens_per_second",
+                             "bytes_communicated", "restart"])
+            # Counts are kept from the first step that had one.
+            counts = [""] * (self.step - len(self.bytes_communicated)) + self.bytes_communicated
             for index, (loss, speed) in enumerate(zip(self.losses, self.tokens_per_second)):
                 step = index + 1
                 validation = self.validation.get(step)
                 validation_text = "" if validation is None else f"{validation:.6f}"
                 writer.writerow([step, f"{loss:.6f}", validation_text, f"{speed:.1f}",
-                                 int(step - 1 in restarts)])
+                                 counts[index], int(step - 1 in restarts)])

@@ -101,13 +101,18 @@ class Run(comm.Closeable):
         self.strategy = strategies.build(module, config, self.group)
         self.history = History()
         self.last_checkpoint: Optional[str] = None
+        self._checkpointer: Optional[checkpoint.AsyncCheckpointer] = None
+        self._saving: Optional[Tuple[checkpoint.SaveHandle, int]] = None   # in the background
         self.validation = [tuple(t.to(self.device) for t in batch) for batch in validation_batches(
             self.corpus.validation, seed=config.seed, batches=config.eval_batches,
             batch_size=config.batch_size, context=config.context, rank=self.group.rank,
             world_size=self.group.size)]
 
     def close(self) -> None:
-        """Free the communicators of the model, the optimizer and the run. Collective."""
+        """Free the communicators of the model, the optimizer and the run (after the
+        background checkpoint, if one is being written). Collective."""
+        if self._checkpointer is not None:
+            self._checkpointer.close()
         self.strategy.close()
         self.group.close()
 
@@ -161,7 +166,7 @@ class Run(comm.Closeable):
             self._say(f"--resume: {change}")
         self.history = History.from_extra(extra["history"])
         self.history.restarts.append(self.history.step)
-        self.strategy.resumed_at(self.history.step)
+        self.strategy.resumed_at(self.history.step, extra)
         self.last_checkpoint = path
         saved_ranks = int(extra["config"].get("ranks", self.group.size))
         note = ("" if saved_ranks == self.group.size else
@@ -180,19 +185,47 @@ class Run(comm.Closeable):
             comm.all_reduce(mean, self.group.comm, comm.ReduceOp.AVG)
         return mean.item()
 
-    def _save(self, progress: Progress, reason: str) -> None:
+    def _save(self, progress: Progress, reason: str, background: bool = False) -> None:
+        """Checkpoint now, after the background save still being written (if any): blocking,
+        or in the ``background`` (training stalls only for the host copy). Collective."""
+        self._finish_save(progress)
         step = self.history.step
-        path = self.config.checkpoint_dir / f"step-{step:07d}.h5"
+        path = str(self.config.checkpoint_dir / f"step-{step:07d}.h5")
         started = time.perf_counter()
         extra = {"step": step, "config": {**self.config.describe(), "ranks": self.group.size},
-                 "history": self.history.to_extra()}
+                 "history": self.history.to_extra(), **self.strategy.hook_extra()}
+        state = dict(model=self.strategy.module, optimizer=self.strategy.optimizer, extra=extra,
+                     keep=self.config.keep or None, replica_group=self.strategy.replica_group)
         with trace.caller("checkpoint save"), trace.span("checkpoint save", "io"):
-            self.last_checkpoint = checkpoint.save(
-                str(path), model=self.strategy.module, optimizer=self.strategy.optimizer,
-                extra=extra, process_group=self.world, keep=self.config.keep or None,
-                replica_group=self.strategy.replica_group)
+            if background:
+                if self._checkpointer is None:
+                    self._checkpointer = checkpoint.AsyncCheckpointer(self.world)
+                self._saving = (self._checkpointer.save(path, **state), step)
+                return
+            self.last_checkpoint = checkpoint.save(path, process_group=self.world, **state)
         progress.say(f"checkpoint at step {step} ({reason}): {self.last_checkpoint} "
                      f"in {time.perf_counter() - started:.1f} s")
+        self._write_outputs()
+
+    def _finish_save(self, progress: Progress, if_done: bool = False) -> None:
+        """Wait for the checkpoint being written in the background and report it; with
+        ``if_done``, only once every rank's write has finished. Collective."""
+        if self._saving is None:
+            return
+        handle, step = self._saving
+        if if_done:
+            # A buffer allreduce, which releases Python's lock while it waits: the writer thread
+            # may hold that lock in its own collectives (h5py's), which need the other ranks.
+            done = torch.tensor([int(handle.done())])
+            comm.all_reduce(done, self.group.comm, comm.ReduceOp.MIN)
+            if not done.item():
+                return
+        self._saving = None
+        with trace.caller("checkpoint save"):
+            self.last_checkpoint = handle.wait()
+        progress.say(f"checkpoint at step {step} (periodic): {self.last_checkpoint}, training "
+                     f"stalled {handle.stall_seconds:.3f} s, written in the background in "
+                     f"{handle.write_seconds:.1f} s")
         self._write_outputs()
 
     def _write_outputs(self) -> None:
@@ -234,7 +267,7 @@ class Run(comm.Closeable):
                             log_every=config.log_every)
         seconds, steps_here, exit_code = 0.0, 0, 0
         while self.history.step < config.steps:
-            started = time.perf_counter()
+            started, sent = time.perf_counter(), trace.bytes_communicated()
             with trace.span(f"step {self.history.step + 1}"):
                 local_loss = self._step(self.history.step)
                 with trace.caller("loss and stop agreement"):
@@ -243,20 +276,24 @@ class Run(comm.Closeable):
             steps_here += 1
             speed = steps_here * self.tokens_per_step / seconds
             self.history.losses.append(loss)
+            self.history.bytes_communicated.append(trace.bytes_communicated() - sent)
             self.history.tokens_per_second.append(speed)
             done = self.history.step
             validation = None
             if (config.eval_every and done % config.eval_every == 0) or done == config.steps:
                 validation = self.history.validation[done] = self._validate()
             progress.step(loss, speed, validation)
+            self._finish_save(progress, if_done=True)
             if stop:
                 progress.say(f"{preemption.name}: stopping at step {done} of {config.steps}")
                 self._save(progress, "preempted")
                 exit_code = EXIT_PREEMPTED
                 break
-            if done == config.steps or (config.checkpoint_every
-                                        and done % config.checkpoint_every == 0):
-                self._save(progress, "final" if done == config.steps else "periodic")
+            if done == config.steps:
+                self._save(progress, "final")
+            elif config.checkpoint_every and done % config.checkpoint_every == 0:
+                self._save(progress, "periodic", background=True)
+        self._finish_save(progress)
         progress.close()
         self._write_outputs()
         self._write_trace()

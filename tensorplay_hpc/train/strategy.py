@@ -7,11 +7,15 @@
   PeriodicModelAverager (parameters averaged every ``average_period`` steps).
 - ``ddp``: DistributedDataParallel and a plain optimizer.
 - ``local``: a plain model and optimizer; gradients averaged by one coalesced allreduce.
+
+``--comm-hook`` gives the DistributedDataParallel of ``zero`` and ``ddp`` another way to average
+gradients: 16-bit compression, PowerSGD (its error feedback and factors travel in checkpoints,
+so a resume continues exactly) or the hierarchical allreduce.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Type
+from typing import Any, Callable, Dict, List, Optional, Type
 
 import torch
 from mpi4py import MPI
@@ -19,8 +23,14 @@ from torch import nn
 
 from tensorplay_hpc import comm
 from tensorplay_hpc.comm import trace
+from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+    bf16_compress_hook, fp16_compress_hook)
+from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.hierarchical_hook import (
+    HierarchicalState, hierarchical_allreduce_hook)
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
     PostLocalSGDState, post_localSGD_hook)
+from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
+    PowerSGDState, powerSGD_hook)
 from tensorplay_hpc.distributed.algorithms.model_averaging import averagers
 from tensorplay_hpc.distributed.optim import PostLocalSGDOptimizer, ZeroRedundancyOptimizer
 from tensorplay_hpc.distributed.parallel import DistributedDataParallel
@@ -54,17 +64,27 @@ class Strategy:
     after_backward: Callable[[], None]
     owned: List[comm.Closeable] = field(default_factory=list)
     _hook_state: Optional[PostLocalSGDState] = None
+    _power_sgd: Optional[PowerSGDState] = None
 
     def close(self) -> None:
         """Free the communicators of the model wrapper, the optimizer and the hook. Collective."""
         for owner in self.owned:
             owner.close()
 
-    def resumed_at(self, step: int) -> None:
-        """Bring state kept outside the checkpoint (the post-local hook's warm-up counter) to
-        ``step``."""
+    def hook_extra(self) -> Dict[str, Any]:
+        """What the communication hook needs in this rank's checkpoint extras to resume
+        exactly: PowerSGD's state, under keys starting with :data:`POWER_SGD_PREFIX`."""
+        if self._power_sgd is None:
+            return {}
+        return self._power_sgd.state_dict(prefix=POWER_SGD_PREFIX)
+
+    def resumed_at(self, step: int, extra: Dict[str, Any]) -> None:
+        """Bring the hooks' state to ``step``: the post-local hook's warm-up counter, and
+        PowerSGD's state from ``extra`` when the checkpoint has it (else it warms up again)."""
         if self._hook_state is not None:
             self._hook_state.iter = min(step, self._hook_state.start_localSGD_iter)
+        if self._power_sgd is not None and any(k.startswith(POWER_SGD_PREFIX) for k in extra):
+            self._power_sgd.load_state_dict(extra, prefix=POWER_SGD_PREFIX)
 
     @property
     def replica_group(self) -> Optional[MPI.Intracomm]:
@@ -75,8 +95,33 @@ class Strategy:
         return None if state is None else state.subgroup
 
 
+POWER_SGD_PREFIX = "powerSGD."
+
+
 def _gradients_already_averaged() -> None:
     """DistributedDataParallel averaged the gradients during ``backward()``."""
+
+
+def _register_comm_hook(model: DistributedDataParallel, config: TrainConfig,
+                        group: comm.ProcessGroup) -> Optional[Any]:
+    """Register ``--comm-hook`` on ``model``; return the hook's state if it has one.
+    Collective."""
+    kind = config.comm_hook
+    if kind in ("fp16", "bf16"):
+        model.register_comm_hook(group.parent, fp16_compress_hook if kind == "fp16"
+                                 else bf16_compress_hook)
+        return None
+    if kind == "hierarchical":
+        state = HierarchicalState(group.parent)
+        model.register_comm_hook(state, hierarchical_allreduce_hook)
+        return state
+    if kind == "powersgd":
+        state = PowerSGDState(group.parent, matrix_approximation_rank=config.powersgd_rank,
+                              start_powerSGD_iter=max(2, config.warmup_steps),
+                              random_seed=config.seed)
+        model.register_comm_hook(state, powerSGD_hook)
+        return state
+    return None
 
 
 def build(module: nn.Module, config: TrainConfig, group: comm.ProcessGroup) -> Strategy:
@@ -93,13 +138,20 @@ def build(module: nn.Module, config: TrainConfig, group: comm.ProcessGroup) -> S
                                           comm.ReduceOp.AVG)
         return Strategy(module, module, inner(params, **defaults), average_gradients)
     model = DistributedDataParallel(module, process_group=group.parent)
-    if config.optimizer == "zero":
-        optimizer = ZeroRedundancyOptimizer(module.parameters(), optimizer_class=inner,
-                                            process_group=group.parent, **defaults)
-        return Strategy(module, model, optimizer, _gradients_already_averaged, [model, optimizer])
-    if config.optimizer == "ddp":
-        return Strategy(module, model, inner(module.parameters(), **defaults),
-                        _gradients_already_averaged, [model])
+    if config.optimizer in ("zero", "ddp"):
+        hook_state = _register_comm_hook(model, config, group)
+        owned: List[comm.Closeable] = [model]
+        if config.optimizer == "zero":
+            optimizer = ZeroRedundancyOptimizer(module.parameters(), optimizer_class=inner,
+                                                process_group=group.parent, **defaults)
+            owned.append(optimizer)
+        else:
+            optimizer = inner(module.parameters(), **defaults)
+        if isinstance(hook_state, comm.Closeable):
+            owned.append(hook_state)
+        power_sgd = hook_state if isinstance(hook_state, PowerSGDState) else None
+        return Strategy(module, model, optimizer, _gradients_already_averaged, owned,
+                        _power_sgd=power_sgd)
     state = PostLocalSGDState(process_group=group.parent, subgroup=None,
                               start_localSGD_iter=config.warmup_steps)
     model.register_comm_hook(state, post_localSGD_hook)

@@ -253,6 +253,11 @@ class DistributedOptimizer(Closeable):
         index)``: the same on every rank. A parameter's position is its global index."""
         return tuple(self._parameters)
 
+    def indexed_param_groups(self) -> List[Dict[str, Any]]:
+        """The one param group in ``state_dict``'s structure: the hyperparameters, and
+        ``params`` as the global indices of every parameter. Local."""
+        return [{**self.hyperparameters, "params": list(range(len(self._parameters)))}]
+
     def owned_indices(self) -> List[int]:
         """The global indices of the parameters this rank owns."""
         rank = self._shared.rank
