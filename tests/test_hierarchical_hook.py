@@ -1,9 +1,10 @@
 """The hierarchical allreduce hook: the same training as a flat allreduce (PyTorch's DDP over
 gloo), a flat fallback for nodes of different sizes, and, across simulated nodes, fewer bytes
 on the network than a flat allreduce."""
-import copy
+import gc
 import os
 import warnings
+from collections import Counter
 
 import pytest
 import torch
@@ -62,12 +63,15 @@ def test_equals_a_flat_average_for_any_length_and_dtype(numel, dtype):
 
 
 def test_close_frees_its_three_communicators():
-    before = lifetime.live()
+    gc.collect()                 # no other test's object is collected mid-test
+    before = Counter(lifetime.open_objects())
     state = HierarchicalState()
-    assert len(lifetime.live()) == len(before) + 3   # the group, its node, across the nodes
+    made = Counter(lifetime.open_objects()) - before
+    assert sum(made.values()) == 3 and set(made) == {   # the group, its node, across the nodes
+        e for e in made if e.startswith("HierarchicalState: communicator ")}
     assert state.node.Get_size() * state.across.Get_size() == WORLD.size
     state.close()
-    assert lifetime.live() == before
+    assert not Counter(lifetime.open_objects()) - before
 
 
 @pytest.mark.mpi(min_size=2)

@@ -11,15 +11,15 @@
   ``python -W default`` or ``-X dev``, as for unclosed files) and is freed by ``MPI_Finalize``
   at interpreter exit.
 
-:func:`live` lists the objects not freed yet, which is how the tests check that ``close()``
-leaves nothing behind.
+:func:`live` lists the objects not freed yet and :func:`open_objects` those whose owner has not
+been collected, which is how the tests check that ``close()`` leaves nothing behind.
 """
 from __future__ import annotations
 
 import itertools
 from typing import Dict, List
 
-__all__ = ["Closeable", "live", "track", "untrack", "leave_to_finalize"]
+__all__ = ["Closeable", "leave_to_finalize", "live", "open_objects", "track", "untrack"]
 
 _live: Dict[int, str] = {}
 _tokens = itertools.count()
@@ -49,8 +49,14 @@ def leave_to_finalize(token: int) -> str:
 
 def live() -> List[str]:
     """Descriptions of the library's communicators and windows on this rank that are not freed
-    yet, oldest first. Local."""
+    yet, oldest first, those collected unclosed included. Local."""
     return list(_live.values())
+
+
+def open_objects() -> List[str]:
+    """:func:`live` without the objects collected unclosed (left to ``MPI_Finalize``): what
+    owners alive now hold. Local."""
+    return [entry for entry in _live.values() if not entry.endswith(FINALIZE_NOTE)]
 
 
 class Closeable:
