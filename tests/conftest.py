@@ -9,6 +9,7 @@ import torch
 from mpi4py import MPI
 
 from tensorplay_hpc.bench.gloo import init_gloo
+from tensorplay_hpc.comm import environment
 
 WORLD = MPI.COMM_WORLD
 # Test helpers (launch.py, job scripts) import each other from this folder.
@@ -34,6 +35,25 @@ def pytest_runtest_logreport(report):
 @pytest.fixture(autouse=True)
 def _seeded():
     torch.manual_seed(1234)
+
+
+@pytest.fixture
+def setting():
+    """``setting(name, value)`` sets an environment variable for this test only, and has the
+    library read its settings again (it reads them once, see tensorplay_hpc.comm.environment)."""
+    saved = {}
+
+    def set_variable(name, value):
+        saved.setdefault(name, os.environ.get(name))
+        os.environ[name] = value
+        environment.reload()
+    yield set_variable
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    environment.reload()
 
 
 @pytest.fixture

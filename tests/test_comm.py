@@ -22,10 +22,10 @@ def group():
 
 
 @pytest.fixture(params=[None, "3"], ids=["whole", "chunked"])
-def chunking(request, monkeypatch):
+def chunking(request, setting):
     """Run each test once as is and once with every message split into 3-element chunks."""
     if request.param:
-        monkeypatch.setenv(comm.CHUNK_ENV, request.param)
+        setting(comm.CHUNK_ENV, request.param)
     return request.param
 
 
@@ -261,6 +261,31 @@ def test_coalesced_mixed_dtypes(group, chunking):
     assert tensors[0].tolist() == [0.0, 0.0] and tensors[1].tolist() == [0, 0, 0]
 
 
+@pytest.mark.parametrize("async_op", [False, True], ids=["streamed", "async"])
+def test_coalesced_streams_pieces(group, setting, async_op):
+    """With 64-byte pieces (16 float32 elements): small tensors packed a piece at a time, large
+    ones reduced in their own memory (float32), through a float32 piece (bfloat16), or staged
+    (not contiguous); every rank ends with the exact averages and the tensors keep storage."""
+    setting(comm.PIECE_ENV, "64")
+    r = float(group.rank)
+    tensors = [torch.full((5,), r), torch.arange(40.) + r, torch.full((7,), 2 * r),
+               torch.full((9,), r), torch.empty(0), (torch.arange(60.) + r).view(6, 10).t(),
+               (torch.arange(50.) + r).to(torch.bfloat16), torch.full((3,), r, dtype=torch.bfloat16)]
+    storages = [t.data_ptr() for t in tensors]
+    work = comm.all_reduce_coalesced(tensors, group.comm, ReduceOp.AVG, async_op=async_op)
+    if async_op:
+        work.wait()
+    mean = (group.size - 1) / 2
+    assert tensors[0].tolist() == [mean] * 5
+    assert tensors[1].tolist() == (torch.arange(40.) + mean).tolist()
+    assert tensors[2].tolist() == [2 * mean] * 7 and tensors[3].tolist() == [mean] * 9
+    assert tensors[4].numel() == 0
+    assert tensors[5].tolist() == (torch.arange(60.) + mean).view(6, 10).t().tolist()
+    assert tensors[6].tolist() == (torch.arange(50.) + mean).to(torch.bfloat16).tolist()
+    assert tensors[7].tolist() == [mean] * 3
+    assert [t.data_ptr() for t in tensors] == storages
+
+
 def test_flat_buffer_views():
     tensors = [torch.arange(6.).view(2, 3), torch.tensor([7.0]), torch.empty(0), torch.ones(2, 2)]
     flat = comm.FlatBuffer.pack(tensors)
@@ -286,11 +311,11 @@ def test_chunks():
     assert list(comm.chunks(0, 4)) == [(0, 0)]
 
 
-def test_chunk_limit_from_environment(monkeypatch):
+def test_chunk_limit_from_environment(setting):
     assert comm.chunk_elements() == 2**31 - 1
-    monkeypatch.setenv(comm.CHUNK_ENV, "5")
+    setting(comm.CHUNK_ENV, "5")
     assert comm.chunk_elements() == 5
-    monkeypatch.setenv(comm.CHUNK_ENV, "0")
+    setting(comm.CHUNK_ENV, "0")
     with pytest.raises(ValueError, match=comm.CHUNK_ENV):
         comm.chunk_elements()
 
@@ -305,6 +330,7 @@ def test_contiguous_cpu_tensors_are_zero_copy():
 def test_host_staging_path_copies_in_and_out(group, monkeypatch, chunking):
     """The path GPU tensors take when MPI is not CUDA-aware, run on CPU tensors."""
     monkeypatch.setattr(staging, "needs_host_copy", lambda tensor: True)
+    monkeypatch.setattr(staging, "ZERO_COPY", {})
     t = torch.full((5,), float(group.rank + 1))
     staged = comm.Staged(t)
     assert staged.staged and staged.work is not t and staged.work.data_ptr() != t.data_ptr()

@@ -45,10 +45,10 @@ def test_ten_thousand_small_parameters():
     assert all(torch.equal(t, torch.full_like(t, mean)) for t in own)
 
 
-def test_forced_chunks_through_the_optimizers(monkeypatch):
+def test_forced_chunks_through_the_optimizers(setting):
     """A parameter 'over the count limit': with a 7-element chunk limit a 1000-element
     parameter travels in 143 chunks, through ZeRO's sync and DDP's gradient allreduce."""
-    monkeypatch.setenv(comm.CHUNK_ENV, "7")
+    setting(comm.CHUNK_ENV, "7")
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(40, 25), torch.nn.Linear(25, 1))   # 1025 + 26
     reference = torch.nn.Sequential(torch.nn.Linear(40, 25), torch.nn.Linear(25, 1))

@@ -44,8 +44,8 @@ def test_mismatch_is_the_same_error_on_every_rank(group):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_debug_mode_catches_mismatched_collective(group, monkeypatch):
-    monkeypatch.setenv(DEBUG_ENV, "1")
+def test_debug_mode_catches_mismatched_collective(group, setting):
+    setting(DEBUG_ENV, "1")
     t = torch.ones(5 if group.rank == group.size - 1 else 4)
     with pytest.raises(ValueError, match=f"collective all_reduce: ranks \\[{group.size - 1}\\]"):
         comm.all_reduce(t, group.comm)

@@ -22,10 +22,10 @@ def owned(rank):
 
 
 @pytest.fixture(params=[None, "3"], ids=["whole", "chunked"])
-def chunking(request, monkeypatch):
+def chunking(request, setting):
     """Run once as is and once with every window operation split into 3-element pieces."""
     if request.param:
-        monkeypatch.setenv(comm.CHUNK_ENV, request.param)
+        setting(comm.CHUNK_ENV, request.param)
 
 
 @pytest.fixture(params=["auto", "served"])

@@ -366,10 +366,10 @@ def test_non_default_group(world):
 
 
 @pytest.mark.parametrize("piece_bytes", [24, 4096])
-def test_without_bucket_view_the_sync_stages_bounded_pieces(monkeypatch, piece_bytes):
+def test_without_bucket_view_the_sync_stages_bounded_pieces(setting, piece_bytes):
     """24 bytes: 6 float32 elements a round over all ranks, so parameters are cut across rounds;
     the staging buffer never holds more than a piece, and the parameters keep their storage."""
-    monkeypatch.setenv("TENSORPLAY_HPC_PIECE_BYTES", str(piece_bytes))
+    setting("TENSORPLAY_HPC_PIECE_BYTES", str(piece_bytes))
     dtypes = (torch.float32, torch.float32, torch.float32)
     model, reference = _model(dtypes), _model(dtypes)
     storages = [p.untyped_storage().data_ptr() for p in model.parameters()]

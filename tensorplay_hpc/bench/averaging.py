@@ -1,7 +1,7 @@
 """Model averaging of the benchmark MLP (16.8M parameters): ``average_parameters`` and a
 ``PeriodicModelAverager`` (period 1, so every call averages) against PyTorch's
 ``PeriodicModelAverager`` over gloo, and against a raw mpi4py ``Allreduce`` of the same bytes in
-one numpy array.
+one numpy array, whole and in the pieces that our collectives use.
 
 Before each averaging the ranks check that they have gradients on the same parameters (one
 allgather of a 40-byte digest, see :mod:`tensorplay_hpc.distributed.algorithms.model_averaging.
@@ -21,6 +21,7 @@ from tensorplay_hpc.bench.gloo import init_gloo
 from tensorplay_hpc.bench.models import mlp
 from tensorplay_hpc.bench.report import Report
 from tensorplay_hpc.bench.timing import compare
+from tensorplay_hpc.comm.chunking import piece_elements
 from tensorplay_hpc.comm.private import private_comm
 from tensorplay_hpc.distributed.algorithms.model_averaging import averagers, utils
 from tensorplay_hpc.distributed.algorithms.model_averaging.utils import average_parameters
@@ -46,19 +47,27 @@ def run(report: Report) -> None:
         ours_averager = averagers.PeriodicModelAverager(period=1)
         theirs_averager = torch_averagers.PeriodicModelAverager(period=1)
 
+    piece = piece_elements(4)
+
     def raw() -> None:
         world.Allreduce(MPI.IN_PLACE, [flat, MPI.FLOAT])
 
-    function_s, averager_s, theirs_s, raw_s = compare([
-        lambda: average_parameters(ours_params, None),
-        lambda: ours_averager.average_parameters(ours_params),
-        lambda: theirs_averager.average_parameters(theirs_params),
-        raw], report.repeat)
+    def raw_in_pieces() -> None:
+        for start in range(0, numel, piece):
+            world.Allreduce(MPI.IN_PLACE, [flat[start:start + piece], MPI.FLOAT])
+
+    with ours_averager:
+        function_s, averager_s, theirs_s, raw_s, pieces_s = compare([
+            lambda: average_parameters(ours_params, None),
+            lambda: ours_averager.average_parameters(ours_params),
+            lambda: theirs_averager.average_parameters(theirs_params),
+            raw, raw_in_pieces], report.repeat)
     nbytes = 4 * numel
-    report.add("averaging", "average_parameters", function_s, "mpi4py-raw", raw_s, nbytes=nbytes)
+    for case, ours_s in (("average_parameters", function_s), ("PeriodicModelAverager", averager_s)):
+        report.add("averaging", case, ours_s, "mpi4py-raw", raw_s, nbytes=nbytes)
+        report.add("averaging", case, ours_s, "mpi4py-raw in pieces", pieces_s, nbytes=nbytes,
+                   piece_bytes=4 * piece)
     report.add("averaging", "PeriodicModelAverager", averager_s, "torch-gloo", theirs_s,
-               nbytes=nbytes)
-    report.add("averaging", "PeriodicModelAverager", averager_s, "mpi4py-raw", raw_s,
                nbytes=nbytes)
     _gradient_check(report, ours_params, averager_s)
 
@@ -85,9 +94,10 @@ def _gradient_check(report: Report, params: list, averager_s: float) -> None:
     def raw_small() -> None:
         world.Allreduce(MPI.IN_PLACE, [small_flat, MPI.FLOAT])
 
-    check_s, gather_s, small_check_s, small_s, small_raw_s = compare(
-        [check(params), raw_gather, check(small),
-         lambda: small_averager.average_parameters(small), raw_small], report.repeat)
+    with small_averager:
+        check_s, gather_s, small_check_s, small_s, small_raw_s = compare(
+            [check(params), raw_gather, check(small),
+             lambda: small_averager.average_parameters(small), raw_small], report.repeat)
     report.add("averaging", f"gradient check, {len(params)} parameters", check_s, "mpi4py-raw",
                gather_s, nbytes=DIGEST_BYTES, share_pct=round(100 * check_s / averager_s, 3))
     report.add("averaging", "PeriodicModelAverager, small MLP", small_s, "mpi4py-raw",

@@ -53,9 +53,10 @@ def _agreement(report: Report, module: torch.nn.Module, small: torch.nn.Module,
                     generator=torch.Generator().manual_seed(world.Get_rank()))
     small_ddp = DistributedDataParallel(copy.deepcopy(small))
     small_theirs = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(small))
-    agree_s, raw_s, small_s, small_theirs_s = compare(
-        [ours.reducer._agree_on_pass, raw, _step(small_ddp, x), _step(small_theirs, x)],
-        report.repeat)
+    with ours, small_ddp:
+        agree_s, raw_s, small_s, small_theirs_s = compare(
+            [ours.reducer._agree_on_pass, raw, _step(small_ddp, x), _step(small_theirs, x)],
+            report.repeat)
     report.add("ddp", "end-of-backward agreement", agree_s, "mpi4py-raw", raw_s,
                nbytes=flags.nbytes, mlp_step_share_pct=round(100 * agree_s / step_s, 3),
                small_step_share_pct=round(100 * agree_s / small_s, 2))
@@ -105,6 +106,8 @@ def _comm_hooks(report: Report, module: torch.nn.Module, x: torch.Tensor) -> Non
             _, before_now, after_now = state.compression_stats()
             ratios[name] = round((before_now - before) / (after_now - after), 1)
     times = compare(steps, report.repeat)
+    for ddp in [baseline] + [ddp for _, ddp, _ in models]:
+        ddp.close()
     for (name, _, state), ours_s, nbytes in zip(models, times[1:], sent[1:]):
         extra = {"baseline_bytes": sent[0]}
         if name in ratios:
@@ -130,14 +133,14 @@ def run(report: Report) -> None:
     theirs = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(module))
     step_s = {}
     for bucket_view in (False, True):
-        ours = DistributedDataParallel(copy.deepcopy(module), gradient_as_bucket_view=bucket_view)
-        ours_s, theirs_s, raw_s, local_s = compare(
-            [_step(ours, x), _step(theirs, x), raw, local], report.repeat)
+        with DistributedDataParallel(copy.deepcopy(module),
+                                     gradient_as_bucket_view=bucket_view) as ours:
+            ours_s, theirs_s, raw_s, local_s = compare(
+                [_step(ours, x), _step(theirs, x), raw, local], report.repeat)
         step_s[bucket_view] = ours_s
         case = f"fwd+bwd batch {BATCH}, bucket view {'on' if bucket_view else 'off'}"
         extra = {"local_fwd_bwd_ms": round(local_s * 1e3, 1), "buckets": len(ours.buckets)}
         report.add("ddp", case, ours_s, "torch-gloo", theirs_s, nbytes=4 * numel, **extra)
         report.add("ddp", case, ours_s, "mpi4py-raw", raw_s, nbytes=4 * numel, **extra)
-        del ours
     _agreement(report, module, mlp(layers=3, width=64), step_s[False])
     _comm_hooks(report, module, x)

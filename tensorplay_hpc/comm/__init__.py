@@ -6,7 +6,7 @@
 - :mod:`.dtypes` maps torch dtypes and reductions to MPI;
 - :mod:`.staging` hands tensor memory to MPI (zero-copy, or staged and copied back);
 - :mod:`.chunking` splits messages longer than MPI's count limit, and large allreduces into
-  cache-sized pieces;
+  cache-sized pieces; :mod:`.environment` reads the variables every collective consults once;
 - :mod:`.flat_buffer` packs many tensors into one buffer;
 - :mod:`.collectives` and :mod:`.work` are the collectives, blocking or not;
 - :mod:`.agreement` turns a failure on one rank into the same error on all;

@@ -1,8 +1,9 @@
 """Splitting messages into chunks: those that exceed MPI's int count limit, and large blocking
 allreduces, which are faster in cache-sized pieces.
 
-The count limit is read from ``TENSORPLAY_HPC_CHUNK_ELEMENTS`` at each call (default
-2**31 - 1), so tests can force many chunks with a tiny value. One ``Allreduce`` of tens of MiB
+The count limit is read from ``TENSORPLAY_HPC_CHUNK_ELEMENTS`` on first use (default
+2**31 - 1; :func:`.environment.reload` reads it again), so tests can force many chunks with a
+tiny value. One ``Allreduce`` of tens of MiB
 streams through memory several times; in pieces of a few MiB the bytes stay in the cache between
 the steps of the algorithm (Open MPI's blocking allreduce in 4 MiB pieces measured 2-4x faster
 than one call on 64 MiB on a shared-memory node). ``TENSORPLAY_HPC_PIECE_BYTES`` sets the piece.
@@ -12,12 +13,15 @@ from __future__ import annotations
 import os
 from typing import Iterator, Tuple
 
+from .environment import read_once
+
 MPI_COUNT_LIMIT = 2**31 - 1
 CHUNK_ENV = "TENSORPLAY_HPC_CHUNK_ELEMENTS"
 PIECE_ENV = "TENSORPLAY_HPC_PIECE_BYTES"
 PIECE_BYTES = 4 << 20
 
 
+@read_once
 def chunk_elements() -> int:
     """The largest element count handed to one MPI call."""
     value = os.environ.get(CHUNK_ENV)
@@ -29,11 +33,15 @@ def chunk_elements() -> int:
     return limit
 
 
+@read_once
+def _piece_bytes() -> int:
+    return int(os.environ.get(PIECE_ENV) or PIECE_BYTES)
+
+
 def piece_elements(element_size: int) -> int:
     """Elements of ``element_size`` bytes in one piece of a blocking allreduce (within the
     count limit)."""
-    piece = int(os.environ.get(PIECE_ENV) or PIECE_BYTES)
-    return max(1, min(chunk_elements(), piece // element_size))
+    return max(1, min(chunk_elements(), _piece_bytes() // element_size))
 
 
 def chunks(count: int, limit: int | None = None) -> Iterator[Tuple[int, int]]:

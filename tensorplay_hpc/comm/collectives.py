@@ -12,12 +12,13 @@ from typing import List, Optional, Sequence
 import numpy as np
 import torch
 from mpi4py import MPI
+from torch._utils import _unflatten_dense_tensors
 
 from . import trace
 from .chunking import chunk_elements, chunks, piece_elements
 from .consistency import check_collective
 from .dtypes import ReduceOp, half_sum_op, is_half, reduce_dtype, reduce_op
-from .flat_buffer import pack_by_dtype_device
+from .flat_buffer import group_by_dtype_device, pack_by_dtype_device
 from .staging import Staged, needs_host_copy
 from .watchdog import watched
 from .work import Work, complete
@@ -52,17 +53,19 @@ def all_reduce(tensor: torch.Tensor, comm: MPI.Intracomm, op: ReduceOp = ReduceO
     16-bit addition runs on the host: GPU memory that a CUDA-aware MPI reads directly is summed
     in float32.
     """
-    op = ReduceOp(op)
-    on_host = tensor.device.type == "cpu" or needs_host_copy(tensor)
-    in_half = in_dtype and is_half(tensor.dtype) and on_host
+    if type(op) is not ReduceOp:
+        op = ReduceOp(op)
+    in_half = (in_dtype and is_half(tensor.dtype)
+               and (tensor.is_cpu or needs_host_copy(tensor)))
     if in_half and op not in (ReduceOp.SUM, ReduceOp.AVG):
         raise ValueError(f"all_reduce in_dtype: {tensor.dtype} tensors are only summed or "
                          f"averaged in their own type, not {op.name} (rank {comm.Get_rank()})")
     staged = Staged(tensor, reduce=not in_half)
-    mpi_op = half_sum_op(tensor.dtype) if in_half else reduce_op(staged.work.dtype, op)
+    work = staged.work
+    mpi_op = half_sum_op(tensor.dtype) if in_half else reduce_op(work.dtype, op)
+    average = op is ReduceOp.AVG
     size = comm.Get_size()
-    flat = staged.work.view(-1)
-    check_collective(comm, "all_reduce", count=staged.count, dtype=str(tensor.dtype), op=op.name)
+    check_collective(comm, "all_reduce", count=staged.count, dtype=tensor.dtype, op=op)
     requests = []
     record = trace.collective("all_reduce", comm, tensor.nbytes, async_op)
     with watched("all_reduce", comm), record:
@@ -70,14 +73,15 @@ def all_reduce(tensor: torch.Tensor, comm: MPI.Intracomm, op: ReduceOp = ReduceO
             for start, n in chunks(staged.count):
                 requests.append(comm.Iallreduce(MPI.IN_PLACE, staged.buf(start, n), mpi_op))
         else:
-            for start, n in chunks(staged.count, piece_elements(flat.element_size())):
+            flat = work.view(-1) if average else work
+            for start, n in chunks(staged.count, piece_elements(work.element_size())):
                 comm.Allreduce(MPI.IN_PLACE, staged.buf(start, n), mpi_op)
-                if op is ReduceOp.AVG:
+                if average:
                     flat[start:start + n].div_(size)
 
     def finish() -> None:
-        if op is ReduceOp.AVG and async_op:
-            flat.div_(size)
+        if average and async_op:
+            work.div_(size)
         staged.finish()
     return complete(requests, finish, async_op, operation="all_reduce", comm=comm,
                     record=record)
@@ -91,7 +95,7 @@ def reduce(tensor: torch.Tensor, comm: MPI.Intracomm, root: int,
     is_root = comm.Get_rank() == root
     staged = Staged(tensor, reduce=True)
     mpi_op = reduce_op(staged.work.dtype, op)
-    check_collective(comm, "reduce", count=staged.count, dtype=str(tensor.dtype), op=op.name,
+    check_collective(comm, "reduce", count=staged.count, dtype=tensor.dtype, op=op,
                      root=root)
     requests = []
     record = trace.collective("reduce", comm, tensor.nbytes, async_op)
@@ -117,7 +121,7 @@ def broadcast(tensor: torch.Tensor, comm: MPI.Intracomm, root: int = 0,
               async_op: bool = False) -> Optional[Work]:
     """Copy ``tensor`` from rank ``root`` into ``tensor`` on every other rank."""
     staged = Staged(tensor, copy_in=comm.Get_rank() == root)
-    check_collective(comm, "broadcast", count=staged.count, dtype=str(tensor.dtype), root=root)
+    check_collective(comm, "broadcast", count=staged.count, dtype=tensor.dtype, root=root)
     requests = []
     record = trace.collective("broadcast", comm, tensor.nbytes, async_op)
     with watched("broadcast", comm), record:
@@ -150,7 +154,7 @@ def all_gather_v(output: torch.Tensor, counts: Sequence[int], comm: MPI.Intracom
     staged = Staged(output, copy_in=input is None)
     if input is not None:
         staged.work.view(-1)[displs[rank]:displs[rank] + counts[rank]].copy_(input.reshape(-1))
-    check_collective(comm, "all_gather_v", counts=counts, dtype=str(output.dtype))
+    check_collective(comm, "all_gather_v", counts=counts, dtype=output.dtype)
     requests = []
     record = trace.collective("all_gather_v", comm, output.nbytes, async_op)
     with watched("all_gather_v", comm), record:
@@ -184,7 +188,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, comm: MPI.Intracomm,
     send = Staged(input)
     recv = Staged(output, copy_in=False)
     spec = [recv.buf()[0], input.numel(), recv.datatype]  # the count is per rank
-    check_collective(comm, "all_gather", count=input.numel(), dtype=str(input.dtype))
+    check_collective(comm, "all_gather", count=input.numel(), dtype=input.dtype)
     requests = []
     record = trace.collective("all_gather", comm, output.nbytes, async_op)
     with watched("all_gather", comm), record:
@@ -215,7 +219,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, comm: MPI.Intracom
     send = Staged(input, reduce=True)
     recv = Staged(output, reduce=True, copy_in=False)
     mpi_op = reduce_op(send.work.dtype, op)
-    check_collective(comm, "reduce_scatter", counts=counts, dtype=str(input.dtype), op=op.name)
+    check_collective(comm, "reduce_scatter", counts=counts, dtype=input.dtype, op=op)
     requests = []
     record = trace.collective("reduce_scatter", comm, input.nbytes, async_op)
     with watched("reduce_scatter", comm), record:
@@ -265,7 +269,7 @@ def gather(input: torch.Tensor, comm: MPI.Intracomm, root: int = 0,
     if rank == root:
         recv = Staged(torch.empty(sum(counts), dtype=input.dtype, device=input.device),
                       copy_in=False)
-    check_collective(comm, "gather", counts=counts, dtype=str(input.dtype), root=root)
+    check_collective(comm, "gather", counts=counts, dtype=input.dtype, root=root)
     record = trace.collective("gather", comm, input.nbytes)
     with watched("gather", comm), record:
         if sum(counts) <= chunk_elements():
@@ -285,23 +289,65 @@ def gather(input: torch.Tensor, comm: MPI.Intracomm, root: int = 0,
 
 def all_reduce_coalesced(tensors: Sequence[torch.Tensor], comm: MPI.Intracomm,
                          op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Optional[Work]:
-    """:func:`all_reduce` of many tensors: one flat buffer and one collective per dtype and
-    device. 16-bit floats are packed straight into a float32 buffer."""
+    """:func:`all_reduce` of many tensors, in place.
+
+    Blocking, the tensors stream through MPI a piece (:mod:`.chunking`) at a time, each byte
+    copied while it is in cache: a tensor of a piece or more is reduced in its own memory (16-bit
+    floats through a float32 piece); smaller ones are packed, a piece's worth at a time, into one
+    reused staging buffer per dtype and device. Nonblocking, each dtype and device travels in one
+    flat buffer and one collective. Which calls are made depends only on the tensors' sizes and
+    dtypes, so ranks holding equal shapes make the same calls.
+    """
+    if not async_op:
+        for indices in group_by_dtype_device(tensors).values():
+            _stream_reduce([tensors[i] for i in indices], comm, op)
+        return None
     works, unpack = [], []
     for indices, flat in pack_by_dtype_device(tensors, reduce_dtype).values():
-        work = all_reduce(flat.buffer, comm, op, async_op)
-        if work is not None:
-            works.append(work)
+        works.append(all_reduce(flat.buffer, comm, op, async_op=True))
         unpack.append((flat, [tensors[i] for i in indices]))
 
     def finish() -> None:
         for flat, targets in unpack:
             flat.copy_to(targets)
-    work = Work.all_of(works, finish)
-    if async_op:
-        return work
-    work.wait()
-    return None
+    return Work.all_of(works, finish)
+
+
+def _stream_reduce(tensors: List[torch.Tensor], comm: MPI.Intracomm, op: ReduceOp) -> None:
+    """The blocking :func:`all_reduce_coalesced` of tensors of one dtype and device."""
+    first = tensors[0]
+    work_dtype = reduce_dtype(first.dtype)
+    piece = piece_elements(torch.empty((), dtype=work_dtype).element_size())
+    converted = work_dtype != first.dtype and any(
+        t.numel() >= piece and t.is_contiguous() for t in tensors)
+    small = sum(t.numel() for t in tensors if t.numel() < piece)
+    stage = torch.empty(piece if converted else min(piece, small), dtype=work_dtype,
+                        device=first.device)
+    packed: List[torch.Tensor] = []
+    count = 0
+
+    def through_stage(parts: List[torch.Tensor], n: int) -> None:
+        views = _unflatten_dense_tensors(stage[:n], parts)
+        torch._foreach_copy_(views, parts)
+        all_reduce(stage[:n], comm, op)
+        torch._foreach_copy_(parts, views)
+
+    for tensor in tensors:
+        n = tensor.numel()
+        if n < piece:
+            if count + n > piece:
+                through_stage(packed, count)
+                packed, count = [], 0
+            packed.append(tensor)
+            count += n
+        elif tensor.dtype == work_dtype or not tensor.is_contiguous():
+            all_reduce(tensor, comm, op)   # in its own memory, a piece at a time
+        else:
+            flat = tensor.view(-1)
+            for start, length in chunks(n, piece):
+                through_stage([flat[start:start + length]], length)
+    if packed:
+        through_stage(packed, count)
 
 
 def broadcast_coalesced(tensors: Sequence[torch.Tensor], comm: MPI.Intracomm, root: int = 0) -> None:

@@ -10,14 +10,18 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from .environment import read_once
+
 DEBUG_ENV = "TENSORPLAY_HPC_DEBUG"
 
 Item = Tuple[str, Any]
 _DIGEST_BYTES = hashlib.sha1().digest_size
 
 
+@read_once
 def debug_enabled() -> bool:
-    """Whether every collective checks its arguments across ranks first (slow; for debugging)."""
+    """Whether every collective checks its arguments across ranks first (slow; for debugging;
+    read on first use, see :mod:`.environment`)."""
     return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
@@ -73,4 +77,5 @@ def check_collective(comm: MPI.Intracomm, collective: str, **arguments: Any) -> 
     """In debug mode only: check that every rank enters the same collective with the same
     arguments (sizes, dtype, root...)."""
     if debug_enabled():
-        check_consistent(comm, f"collective {collective}", sorted(arguments.items()))
+        check_consistent(comm, f"collective {collective}",
+                         sorted((key, str(value)) for key, value in arguments.items()))

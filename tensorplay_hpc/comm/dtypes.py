@@ -24,7 +24,7 @@ class ReduceOp(Enum):
     MAX = "max"
 
 
-_NATIVE = {
+NATIVE = {   # the dtypes that MPI moves and reduces as they are
     torch.float64: MPI.DOUBLE,
     torch.float32: MPI.FLOAT,
     torch.int64: MPI.INT64_T,
@@ -38,6 +38,7 @@ _NATIVE = {
 }
 _HALF = (torch.float16, torch.bfloat16)
 _half_sums: Dict[torch.dtype, MPI.Op] = {}
+_reduce_ops: Dict[tuple, MPI.Op] = {}   # (dtype, ReduceOp): checked once, then looked up
 
 _ARITHMETIC = {
     ReduceOp.SUM: MPI.SUM,
@@ -59,7 +60,7 @@ def move_datatype(dtype: torch.dtype) -> MPI.Datatype:
     if dtype in _HALF:
         return MPI.UINT16_T
     try:
-        return _NATIVE[dtype]
+        return NATIVE[dtype]
     except KeyError:
         raise TypeError(f"tensors of dtype {dtype} cannot be communicated") from None
 
@@ -74,16 +75,23 @@ def reduce_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def reduce_op(dtype: torch.dtype, op: ReduceOp) -> MPI.Op:
     """The MPI operation for reducing tensors of ``dtype`` (already in :func:`reduce_dtype`)."""
+    try:
+        return _reduce_ops[dtype, op]
+    except KeyError:
+        pass
     op = ReduceOp(op)
     if dtype == torch.bool:
         if op is ReduceOp.AVG:
             raise TypeError("ReduceOp.AVG is not defined for bool tensors")
-        return _LOGICAL[op]
-    if op is ReduceOp.AVG and not (dtype.is_floating_point or dtype.is_complex):
+        mpi_op = _LOGICAL[op]
+    elif op is ReduceOp.AVG and not (dtype.is_floating_point or dtype.is_complex):
         raise TypeError(f"ReduceOp.AVG needs a floating point tensor, got {dtype}")
-    if dtype.is_complex and op in (ReduceOp.MIN, ReduceOp.MAX):
+    elif dtype.is_complex and op in (ReduceOp.MIN, ReduceOp.MAX):
         raise TypeError(f"{op.name} is not defined for complex tensors")
-    return _ARITHMETIC[op]
+    else:
+        mpi_op = _ARITHMETIC[op]
+    _reduce_ops[dtype, op] = mpi_op
+    return mpi_op
 
 
 def is_half(dtype: torch.dtype) -> bool:

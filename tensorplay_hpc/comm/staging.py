@@ -14,12 +14,16 @@ import torch
 from mpi4py import MPI
 
 from . import cuda
-from .dtypes import move_datatype, reduce_dtype
+from .dtypes import NATIVE, move_datatype, reduce_dtype
+
+
+ZERO_COPY = NATIVE
+"""The dtypes whose contiguous CPU tensors go to MPI as they are, without further checks."""
 
 
 def needs_host_copy(tensor: torch.Tensor) -> bool:
     """Whether MPI cannot read ``tensor``'s memory directly."""
-    return tensor.device.type != "cpu" and not (tensor.is_cuda and cuda.is_cuda_aware())
+    return not tensor.is_cpu and not (tensor.is_cuda and cuda.is_cuda_aware())
 
 
 def host_tensor(like: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -49,24 +53,28 @@ class Staged:
     def __init__(self, tensor: torch.Tensor, *, reduce: bool = False, copy_in: bool = True) -> None:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+        self.tensor = tensor
+        dtype = tensor.dtype
+        self.datatype: MPI.Datatype = ZERO_COPY.get(dtype) if tensor.is_cpu else None
+        if self.datatype is not None and tensor.is_contiguous():   # the common case, at once
+            self.work, self.staged = tensor, False
+            return
         if tensor.is_sparse:
             raise ValueError("sparse tensors cannot be communicated")
-        self.tensor = tensor
-        work_dtype = reduce_dtype(tensor.dtype) if reduce else tensor.dtype
-        staged = (work_dtype != tensor.dtype or not tensor.is_contiguous()
-                  or needs_host_copy(tensor))
+        work_dtype = reduce_dtype(dtype) if reduce else dtype
+        host_copy = needs_host_copy(tensor)
+        self.staged = staged = work_dtype != dtype or host_copy or not tensor.is_contiguous()
         if not staged:
             self.work = tensor
-        elif needs_host_copy(tensor):
+        elif host_copy:
             self.work = host_tensor(tensor, work_dtype)
         else:
             self.work = torch.empty(tensor.shape, dtype=work_dtype, device=tensor.device)
-        self.staged = staged
         if staged and copy_in:
             self.work.copy_(tensor)
         if self.work.is_cuda:
             torch.cuda.current_stream(self.work.device).synchronize()
-        self.datatype: MPI.Datatype = move_datatype(self.work.dtype)
+        self.datatype = move_datatype(work_dtype)
 
     @property
     def count(self) -> int:

@@ -37,7 +37,7 @@ from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.default_hooks import B
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.grad_bucket import (
     GradBucket, result_done, result_tensor)
 
-from .comm_thread import CommThread, wait_for_all
+from .comm_thread import CommThread, overlap_possible, wait_for_all
 
 FIRST_BUCKET_BYTES = 1 << 20   # a small first bucket starts communication early, as in PyTorch
 
@@ -145,9 +145,8 @@ class Reducer:
         handles = [p.register_post_accumulate_grad_hook(
             lambda param, index=i: _on_grad(reducer_ref, index, param))
             for i, p in enumerate(self.params)]
-        # MPI from a second thread needs MPI_THREAD_MULTIPLE (mpi4py's default); without it the
-        # buckets are reduced in the hooks, blocking.
-        self._worker = CommThread() if MPI.Query_thread() == MPI.THREAD_MULTIPLE else None
+        # Without a communication thread the buckets are reduced in the hooks, blocking.
+        self._worker = CommThread() if overlap_possible() else None
         self._release = weakref.finalize(self, _remove, handles, self._worker)
 
     def close(self) -> None:

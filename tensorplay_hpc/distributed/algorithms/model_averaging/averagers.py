@@ -20,8 +20,10 @@ PERIOD_ONE_WARNING = (
     "DistributedDataParallel's backward pass, so use DistributedDataParallel alone.")
 
 
-class ModelAverager(ABC):
+class ModelAverager(comm.Closeable, ABC):
     """Base class of the averagers. Collective: construct it on every rank of ``process_group``.
+
+    ``with averager:`` closes it at the end of the block (see :meth:`close`).
 
     Args:
         process_group: the group that averages (``None`` is ``MPI.COMM_WORLD``). A rank where it

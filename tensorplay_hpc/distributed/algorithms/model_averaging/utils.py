@@ -96,21 +96,16 @@ def _average(selected: List[torch.Tensor], communicator: MPI.Intracomm,
         for (dtype, device), indices in comm.group_by_dtype_device(selected).items():
             group = [selected[i].detach() for i in indices]
             key = (dtype, device, tuple(t.shape for t in group))
-            flat = buffers.get(key) if buffers is not None else None
-            if flat is not None and _lives_in(flat, group):
-                comm.all_reduce(flat.buffer, communicator, comm.ReduceOp.AVG)
+            if buffers is None or reduce_dtype(dtype) != dtype:
+                comm.all_reduce_coalesced(group, communicator, comm.ReduceOp.AVG)
                 continue
-            if flat is None:
-                flat = comm.FlatBuffer(key[2], reduce_dtype(dtype), device)
-                if buffers is not None:
-                    buffers[key] = flat
-            flat.copy_from(group)
-            comm.all_reduce(flat.buffer, communicator, comm.ReduceOp.AVG)
-            if buffers is not None and flat.buffer.dtype == dtype:
+            flat = buffers.get(key)
+            if flat is None or not _lives_in(flat, group):
+                flat = buffers[key] = comm.FlatBuffer(key[2], dtype, device)
+                flat.copy_from(group)
                 for i, view in zip(indices, flat.views):
                     selected[i].data = view
-            else:
-                flat.copy_to(group)
+            comm.all_reduce(flat.buffer, communicator, comm.ReduceOp.AVG)
 
 
 def average_on_communicator(params: Params, communicator: MPI.Comm,
@@ -125,11 +120,12 @@ def average_on_communicator(params: Params, communicator: MPI.Comm,
     40-byte digest); otherwise every rank raises the same ``ValueError`` naming the ranks and
     the first parameter that differs, after ``what``.
 
-    Without ``buffers`` the parameters are packed into a new flat buffer and the averages
-    copied back. With ``buffers`` (a dict the caller keeps, keyed by dtype, device and shapes)
-    the flat buffer is kept and the parameters are re-pointed into it (``p.data``), as PyTorch
-    does at every averaging; later averagings of the same parameters then reduce the buffer in
-    place, without copying. 16-bit floats are always copied (they are reduced in float32).
+    Without ``buffers`` the parameters are averaged as :func:`average_parameters` does (in
+    their own memory, or packed a piece at a time). With ``buffers`` (a dict the caller keeps,
+    keyed by dtype, device and shapes) the parameters are re-pointed (``p.data``) into a flat
+    buffer kept there, as PyTorch does at every averaging; later averagings of the same
+    parameters then reduce the buffer in place, without copying. 16-bit floats are never
+    re-pointed (they are reduced in float32).
     """
     if communicator == MPI.COMM_NULL:
         return
@@ -142,12 +138,13 @@ def average_parameters(params: Iterable[torch.Tensor],
     """Average all the given parameters across ``process_group`` (``None`` is
     ``MPI.COMM_WORLD``), in place, with or without gradients, as PyTorch does.
 
-    All of them travel in one flat buffer per dtype (16-bit floats packed as float32), reduced
-    in cache-sized pieces (:mod:`tensorplay_hpc.comm.chunking`). Unlike PyTorch, the parameters
-    keep their own storage: the averages are copied back rather than the parameters being
-    re-pointed into the flat buffer (the averagers re-point them once and then average without
-    copying). Traffic goes over a private duplicate of ``process_group``, made on the first call
-    and cached on the communicator.
+    They stream through MPI in cache-sized pieces (:func:`tensorplay_hpc.comm.
+    all_reduce_coalesced`): a large parameter is averaged in its own memory, small ones are
+    packed a piece at a time (16-bit floats as float32). Unlike PyTorch, the parameters keep
+    their own storage and no copy of the whole model is made (the averagers re-point the
+    parameters into one flat buffer once, as PyTorch does, and then average it in place).
+    Traffic goes over a private duplicate of ``process_group``, made on the first call and
+    cached on the communicator.
 
     Collective over ``process_group``. The ranks first check that they pass parameters of the
     same shapes and dtypes (one allgather of a 40-byte digest); otherwise every rank raises the
