@@ -24,6 +24,9 @@ nested = pytest.mark.skipif(not single_rank(), reason=ONLY_UNDER_ONE_RANK)
 
 RUN = ["--steps", "150", "--checkpoint-every", "10"]
 """Long enough that a signal sent at the first checkpoint arrives before the end."""
+RUN_ON_TWO_NODES = ["--steps", "60", "--checkpoint-every", "10"]
+"""RUN across two nodes, where each step takes several times longer: 50 steps after the first
+checkpoint still leave the signal time to arrive."""
 
 def _shared_folder(nodes: SimulatedNodes, name: str) -> Path:
     """A new folder in the nodes' scratch, which every node sees (a node's /tmp is its own);
@@ -33,9 +36,10 @@ def _shared_folder(nodes: SimulatedNodes, name: str) -> Path:
 
 def _uninterrupted(run_dir: Path, ranks: int, *options: str,
                    nodes: Optional[SimulatedNodes] = None) -> List[str]:
-    """The losses of RUN at ``ranks`` ranks without a stop (what every resumed run must
-    reproduce), on this node or across ``nodes``."""
-    result = subprocess.run(train_command(ranks, *RUN, *options, "--run-dir", str(run_dir),
+    """The losses of RUN (RUN_ON_TWO_NODES across ``nodes``) at ``ranks`` ranks without a stop
+    (what every resumed run must reproduce), on this node or across ``nodes``."""
+    run = RUN if nodes is None else RUN_ON_TWO_NODES
+    result = subprocess.run(train_command(ranks, *run, *options, "--run-dir", str(run_dir),
                                           nodes=nodes),
                             cwd=run_dir, env=clean_env(), capture_output=True, text=True,
                             timeout=600)
@@ -53,7 +57,7 @@ def uninterrupted(tmp_path_factory) -> list:
 
 @pytest.fixture(scope="module")
 def uninterrupted_on_two_nodes(simulated_nodes) -> list:
-    """RUN's losses at 4 ranks, 2 on each simulated node (mpiexec, no Slurm)."""
+    """RUN_ON_TWO_NODES's losses at 4 ranks, 2 on each simulated node (mpiexec, no Slurm)."""
     return _uninterrupted(_shared_folder(simulated_nodes, "uninterrupted"), 4,
                           nodes=simulated_nodes)
 
@@ -147,7 +151,8 @@ def _wait_for_text(path: Path, text: str, seconds: float, cluster: SlurmCluster,
 
 def _signal_and_finish(cluster: SlurmCluster, job: str, output: Path, run_dir: Path,
                        expected: List[str]) -> str:
-    """Send ``job`` (a RUN of train.sbatch) the time-limit warning after its first checkpoint;
+    """Send ``job`` (train.sbatch of ``len(expected)`` steps) the time-limit warning after its
+    first checkpoint;
     check that it is requeued once, resumes and ends with the ``expected`` losses. The log."""
     _wait_for_text(output, "checkpoint at step 10 ", 300, cluster, job)
     # What --signal=B:USR1@120 does two minutes before the time limit: USR1 to the batch shell.
@@ -158,7 +163,7 @@ def _signal_and_finish(cluster: SlurmCluster, job: str, output: Path, run_dir: P
     assert info["JobState"] == "COMPLETED", log
     assert info["Restarts"] == "1", log
     for line in ("signal received", "SIGUSR1: stopping at step", f"requeueing job {job}",
-                 f"job {job} run 2", "resumed from", "done: 150 steps"):
+                 f"job {job} run 2", "resumed from", f"done: {len(expected)} steps"):
         assert line in log
     assert losses(run_dir) == expected
     assert len(restarts(run_dir)) == 1
@@ -201,7 +206,7 @@ def test_train_sbatch_on_two_nodes_is_signalled_requeued_and_finishes_like_an_un
     folder = _shared_folder(simulated_nodes, "slurm")
     run_dir, output = folder / "run", folder / "job.out"
     job = two_nodes.sbatch([f"--output={output}", "--nodes=2", "--ntasks-per-node=2",
-                            "jobs/train.sbatch", *TINY, *RUN],
+                            "jobs/train.sbatch", *TINY, *RUN_ON_TWO_NODES],
                            cwd=REPO, env=clean_env(RUN_DIR=str(run_dir)))
     log = _signal_and_finish(two_nodes, job, output, run_dir, uninterrupted_on_two_nodes)
     assert "4 ranks of 1 CPUs on n[1-2]" in log

@@ -14,9 +14,10 @@ and which parameters were used) over the group. When any rank flags a problem, e
 the same ``RuntimeError``, naming the ranks and the parameters. The same allreduce tells
 ``find_unused_parameters`` which parameters were used on some rank.
 
-The built-in reduction runs on a communication thread (:mod:`.comm_thread`): it waits without
-spinning until every rank has the bucket, then runs blocking allreduces in cache-sized pieces
-(:mod:`tensorplay_hpc.comm.chunking`). Open MPI's nonblocking allreduce advances only inside MPI
+The built-in reduction runs on a communication thread (:mod:`.comm_thread`) where the rank has
+a core to spare for it: it waits without spinning until every rank has the bucket, then runs
+blocking allreduces in cache-sized pieces (:mod:`tensorplay_hpc.comm.chunking`). A rank bound to
+one core reduces each bucket in the backward pass itself, with the same calls. Open MPI's nonblocking allreduce advances only inside MPI
 calls and, in place or below 4 ranks, uses a binomial tree; measured on 2 ranks it was 3-4x
 slower than the blocking one in pieces. Communication hooks return their own handles (usually
 nonblocking ``comm.Work``); the hooks of later buckets test the oldest outstanding one, which
