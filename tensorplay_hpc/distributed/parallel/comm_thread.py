@@ -1,9 +1,8 @@
 """A thread that runs blocking collectives in submission order, so that they overlap the work
-of the calling thread (the backward pass). Needs ``MPI_THREAD_MULTIPLE`` and a core to run on."""
+of the calling thread (the backward pass). Needs ``MPI_THREAD_MULTIPLE``."""
 from __future__ import annotations
 
 import contextvars
-import os
 import queue
 import threading
 import time
@@ -13,21 +12,6 @@ import torch
 from mpi4py import MPI
 
 POLL_SECONDS = 2e-4
-
-
-def overlap_possible() -> bool:
-    """Whether a communication thread can overlap the backward pass: MPI allows calls from a
-    second thread (``MPI_THREAD_MULTIPLE``) and this process may run on more cores than PyTorch's
-    own threads take. A rank bound to one core (one rank per core, as pure MPI runs are placed)
-    would only share it between the two: there the reductions run in the backward pass itself,
-    which measured faster."""
-    if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
-        return False
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):   # no affinity here: assume a spare core
-        return True
-    return cores > torch.get_num_threads()
 
 
 def wait_for_all(comm: MPI.Intracomm) -> None:

@@ -14,10 +14,9 @@ and which parameters were used) over the group. When any rank flags a problem, e
 the same ``RuntimeError``, naming the ranks and the parameters. The same allreduce tells
 ``find_unused_parameters`` which parameters were used on some rank.
 
-The built-in reduction runs on a communication thread (:mod:`.comm_thread`) where the rank has
-a core to spare for it: it waits without spinning until every rank has the bucket, then runs
-blocking allreduces in cache-sized pieces (:mod:`tensorplay_hpc.comm.chunking`). A rank bound to
-one core reduces each bucket in the backward pass itself, with the same calls. Open MPI's nonblocking allreduce advances only inside MPI
+The built-in reduction runs on a communication thread (:mod:`.comm_thread`): it waits without
+spinning until every rank has the bucket, then runs blocking allreduces in cache-sized pieces
+(:mod:`tensorplay_hpc.comm.chunking`). Open MPI's nonblocking allreduce advances only inside MPI
 calls and, in place or below 4 ranks, uses a binomial tree; measured on 2 ranks it was 3-4x
 slower than the blocking one in pieces. Communication hooks return their own handles (usually
 nonblocking ``comm.Work``); the hooks of later buckets test the oldest outstanding one, which
@@ -38,7 +37,7 @@ from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.default_hooks import B
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.grad_bucket import (
     GradBucket, result_done, result_tensor)
 
-from .comm_thread import CommThread, overlap_possible, wait_for_all
+from .comm_thread import CommThread, wait_for_all
 
 FIRST_BUCKET_BYTES = 1 << 20   # a small first bucket starts communication early, as in PyTorch
 
@@ -146,8 +145,9 @@ class Reducer:
         handles = [p.register_post_accumulate_grad_hook(
             lambda param, index=i: _on_grad(reducer_ref, index, param))
             for i, p in enumerate(self.params)]
-        # Without a communication thread the buckets are reduced in the hooks, blocking.
-        self._worker = CommThread() if overlap_possible() else None
+        # MPI from a second thread needs MPI_THREAD_MULTIPLE (mpi4py's default); without it the
+        # buckets are reduced in the hooks, blocking.
+        self._worker = CommThread() if MPI.Query_thread() == MPI.THREAD_MULTIPLE else None
         self._release = weakref.finalize(self, _remove, handles, self._worker)
 
     def close(self) -> None:
