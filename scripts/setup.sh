@@ -90,7 +90,8 @@ if ! "$py" -c "import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)" >/
         echo "$HDF5_DIR" >"$built_against"
     else
         log "WARNING: no parallel HDF5 found (set HDF5_DIR to its prefix); installing serial" \
-            "h5py: checkpoints will be written serially, rank by rank. For parallel h5py:" \
+            "h5py: checkpoints work the same, but the checkpoint benchmark's raw h5py baseline" \
+            "needs parallel h5py:" \
             "CC=mpicc HDF5_MPI=ON HDF5_DIR=PREFIX pip install --no-binary=h5py" \
             "--no-build-isolation --force-reinstall --no-deps h5py"
         "$py" -m pip install -q h5py

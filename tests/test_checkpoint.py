@@ -2,6 +2,8 @@
 file format, export/import with plain torch, bad input, failed saves."""
 import json
 import os
+import re
+import resource
 
 import h5py
 import numpy as np
@@ -228,6 +230,61 @@ def test_failed_save_leaves_previous_checkpoint(folder, monkeypatch):
     fresh = make_model(seed=5)
     assert checkpoint.load(path, fresh)["step"] == 1
     assert torch.equal(fresh[0].weight, make_model()[0].weight)
+
+
+def test_a_layout_failing_on_rank_0_is_the_same_error_on_every_rank(folder, monkeypatch):
+    """Rank 0 alone creates the file's datasets: its failure reaches every rank, which then
+    writes nothing."""
+    model = make_model()
+    path = os.path.join(folder, "last.h5")
+    checkpoint.save(path, model, extra={"step": 1})
+    before = open(path, "rb").read() if WORLD.Get_rank() == 0 else None
+    written = []
+
+    def fail(*args):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr("tensorplay_hpc.checkpoint.writer._lay_out", fail)
+    monkeypatch.setattr("tensorplay_hpc.checkpoint.writer._write_own",
+                        lambda *args: written.append(args))
+    with pytest.raises(checkpoint.CheckpointError) as raised:
+        checkpoint.save(path, model, extra={"step": 2})
+    assert str(raised.value) == (f"saving checkpoint {path} failed on 1 of {WORLD.Get_size()} "
+                                 "ranks: rank 0: OSError: [Errno 28] No space left on device")
+    assert written == []
+    WORLD.Barrier()
+    if WORLD.Get_rank() == 0:
+        assert open(path, "rb").read() == before
+        assert [n for n in os.listdir(folder) if ".tmp-" in n] == []
+    assert checkpoint.load(path, make_model(seed=5))["step"] == 1
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_write_cut_short_on_one_rank_is_the_same_error_on_every_rank(folder, monkeypatch):
+    """A file-size limit on the last rank stands in for a disk that fills up after the space
+    check: its write is cut short, which MPI-IO reports only in the count of bytes written."""
+    model = make_model()
+    path = os.path.join(folder, "last.h5")
+    checkpoint.save(path, model, extra={"step": 1})
+    before = open(path, "rb").read() if WORLD.Get_rank() == 0 else None
+    monkeypatch.setattr("tensorplay_hpc.checkpoint.files.check_space", lambda *args: None)
+    last = WORLD.Get_size() - 1
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if WORLD.Get_rank() == last:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, limits[1]))
+    try:   # every rank's extra is 1 MiB of its own: the file's end lies past 2 MiB
+        with pytest.raises(checkpoint.CheckpointError) as raised:
+            checkpoint.save(path, model, extra={"step": 2, "pad": torch.ones(2**18)})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    assert re.fullmatch(
+        f"saving checkpoint {path} failed on 1 of {WORLD.Get_size()} ranks: rank {last}: "
+        r"OSError: wrote \d+ of \d+ bytes at byte \d+ of the file \(a full disk, a quota "
+        r"or a file-size limit\?\)", str(raised.value)), str(raised.value)
+    WORLD.Barrier()
+    if WORLD.Get_rank() == 0:
+        assert open(path, "rb").read() == before
+        assert [n for n in os.listdir(folder) if ".tmp-" in n] == []
+    assert checkpoint.load(path, make_model(seed=5))["step"] == 1
 
 
 def corrupt(path, name, offset=0):

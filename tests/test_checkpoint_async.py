@@ -1,7 +1,10 @@
 """Checkpoints saved in the background: the file equals a blocking save's, whatever training
 does meanwhile; errors on one rank reach every rank; saves in a row; the deferred write below
-MPI_THREAD_MULTIPLE; closing the writer."""
+MPI_THREAD_MULTIPLE; closing the writer; the main thread's Python collectives during a write."""
+import faulthandler
+import json
 import os
+import time
 
 import h5py
 import pytest
@@ -10,6 +13,7 @@ from mpi4py import MPI
 
 from tensorplay_hpc import checkpoint
 from tensorplay_hpc.checkpoint import background
+from tensorplay_hpc.checkpoint import format as fmt
 from tensorplay_hpc.distributed.algorithms.model_averaging import averagers
 from tensorplay_hpc.distributed.optim import PostLocalSGDOptimizer, ZeroRedundancyOptimizer
 
@@ -193,8 +197,8 @@ def test_a_closed_checkpointer_refuses_to_save(folder):
 
 
 def test_a_blocking_save_lets_the_background_write_finish_first(folder):
-    """h5py lets one thread into HDF5 at a time: the main thread's collective HDF5 calls must
-    not wait on the writer thread's while those wait on another rank's main thread."""
+    """Saves complete in the order they were made: a blocking save waits for the one in the
+    background."""
     model = make_model()
     optimizer = KINDS["zero"](model)
     train(model, optimizer, 0, 1)
@@ -208,3 +212,56 @@ def test_a_blocking_save_lets_the_background_write_finish_first(folder):
     if WORLD.Get_rank() == 0:
         assert contents(handle.path) == contents(blocking)
     WORLD.Barrier()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(MPI.Query_thread() < MPI.THREAD_MULTIPLE, reason="writes in the background")
+def test_the_main_thread_runs_collectives_that_keep_pythons_lock_during_a_background_write(
+        folder):
+    """mpi4py's first lower-case collective on a communicator keeps Python's lock while it
+    waits (it duplicates the communicator). On the main thread during a background write it
+    would wait forever for a rank whose writer thread kept the lock while waiting for other
+    ranks (as collective h5py calls do), or was creating a communicator (Open MPI creates them
+    one at a time per process): the writer does neither. A deadlock holds the lock
+    pytest-timeout's thread needs: faulthandler's, which runs without it, ends the process
+    instead (mpiexec then ends the job)."""
+    model = make_model()
+    optimizer = KINDS["zero"](model)
+    train(model, optimizer, 0, 1)
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    path = os.path.join(folder, "during.h5")
+    sums = []
+    faulthandler.dump_traceback_later(60, exit=True)
+    try:
+        with checkpoint.AsyncCheckpointer() as checkpointer:
+            assert checkpointer.threaded
+            for save in range(4):
+                handle = checkpointer.save(path, model, optimizer, extra={"step": save})
+                for i in range(25):
+                    fresh = WORLD.Dup()
+                    sums.append(fresh.allreduce(rank + i))      # the first: a Comm_dup, locked
+                    sums.append(fresh.bcast(f"{save}.{i}" if rank == 0 else None))
+                    fresh.Free()
+                    time.sleep(0.002 * rank)
+                assert handle.wait() == path
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    assert sums == [value for save in range(4) for i in range(25)
+                    for value in (size * (size - 1) // 2 + size * i, f"{save}.{i}")]
+    if rank == 0:
+        with h5py.File(path, "r") as f:                   # serial h5py reads it
+            assert f.attrs["format_version"] == 4 and f.attrs["step"] == 3
+            names = json.loads(f["catalog"][()].tobytes())["names"]
+            columns = f["catalog_columns"][()]
+            weight = torch.from_numpy(f["model/0.weight"][()])
+            assert torch.equal(weight, model[0].weight.detach())
+            offset = int(columns[names.index("model/3.bias"), 0])
+            assert torch.equal(torch.from_numpy(f["packed/float32"][offset:offset + 3]),
+                               model[3].bias.detach())
+            assert fmt.checksum(f["model/0.weight"][()]) == int(
+                columns[names.index("model/0.weight"), 3])
+    WORLD.Barrier()
+    fresh_model = make_model(seed=7)
+    assert checkpoint.load(path, fresh_model)["step"] == 3
+    assert all(torch.equal(a, b) for a, b in zip(fresh_model.state_dict().values(),
+                                                 model.state_dict().values()))

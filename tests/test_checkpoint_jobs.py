@@ -80,7 +80,7 @@ def test_full_disk_during_save_is_an_error_and_keeps_last_checkpoint(tmp_path):
 @pytest.mark.timeout(300)
 def test_a_folder_that_other_nodes_do_not_see_is_an_error_on_every_rank(simulated_nodes):
     """Each simulated node has a /tmp of its own: ranks 2 and 3 (the second node) cannot see
-    the file rank 0 creates there. Without the check, MPI-IO's collective open waits forever."""
+    the file rank 0 creates there: the save fails on every rank, naming them."""
     folder = f"/tmp/tensorplay-node-local-{uuid.uuid4().hex[:8]}"
     run = mpiexec(4, [JOB, "save", f"{folder}/ck.h5", "1"], nodes=simulated_nodes, timeout=120)
     assert run.returncode != 0

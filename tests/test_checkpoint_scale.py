@@ -1,8 +1,10 @@
 """Checkpoints of many small tensors, of tensors without elements, and of packed tensors that
 straddle the reader's blocks: exact round trips, and many parameters in seconds."""
+import json
 import os
 import time
 
+import h5py
 import pytest
 import torch
 from mpi4py import MPI
@@ -115,22 +117,67 @@ def test_tensors_without_elements_save_and_load(folder, optimizer):
         assert reader.tensor("model/none").shape == (0,)
 
 
-def test_without_parallel_h5py_the_same_file_is_written_serially_with_the_build_command(
+def _counting(numel, count, start):
+    """``count`` float32 parameters of ``numel`` elements holding start, start + 1, ..."""
+    return torch.nn.ParameterList(
+        torch.nn.Parameter(torch.arange(start + i * numel, start + (i + 1) * numel,
+                                        dtype=torch.float32)) for i in range(count))
+
+
+def test_rank_0_lays_out_the_file_and_every_rank_writes_its_bytes_through_mpi_io(
         folder, monkeypatch):
+    """Rank 0 alone opens the file with h5py (serial, to create the datasets); the tensors'
+    bytes reach it through MPI-IO, in writes of at most ``_WRITE_BYTES`` (80,000-byte tensors
+    split in two), each where rank 0 placed its dataset or its stretch of a packed one."""
     from tensorplay_hpc.checkpoint import writer
-    monkeypatch.setattr(writer, "parallel_available", lambda: False)
+    monkeypatch.setattr(writer, "_WRITE_BYTES", 50_000)
     model = torch.nn.Module()
-    model.a = _parameters(8, 20_000, seed=0)         # 80 KB each: datasets of their own
-    model.b = _parameters(30, 7, seed=1)             # small ones, packed
-    if WORLD.Get_rank() == 0:
-        with pytest.warns(RuntimeWarning, match="written serially.*CC=mpicc HDF5_MPI=ON"):
-            path = checkpoint.save(os.path.join(folder, "serial.h5"), model)
-    else:
-        path = checkpoint.save(os.path.join(folder, "serial.h5"), model)
+    model.a = _counting(20_000, 8, 0)               # 80 KB each: datasets of their own
+    model.b = _counting(7, 30, 1_000_000)           # small ones, packed
+    model.register_buffer("flags", torch.tensor([True, False, True]))
+    opened = []
+    real = h5py.File
+
+    class Recording(real):
+        def __init__(self, name, mode="r", *args, **kwargs):
+            opened.append((mode, kwargs.get("driver")))
+            super().__init__(name, mode, *args, **kwargs)
+    monkeypatch.setattr(h5py, "File", Recording)
+    path = checkpoint.save(os.path.join(folder, "mpiio.h5"), model)
+    monkeypatch.undo()
+    assert opened == ([("w", None)] if WORLD.Get_rank() == 0 else [])
     other = torch.nn.Module()
     other.a = _parameters(8, 20_000, seed=2)
     other.b = _parameters(30, 7, seed=3)
+    other.register_buffer("flags", torch.tensor([False, False, False]))
     checkpoint.load(path, other)
     assert all(torch.equal(x, y) for x, y in zip(model.parameters(), other.parameters()))
+    assert other.flags.tolist() == [True, False, True]
+    if WORLD.Get_rank() == 0:
+        raw = open(path, "rb").read()
+        with h5py.File(path, "r") as f:
+            names = json.loads(f["catalog"][()].tobytes())["names"]
+            columns = f["catalog_columns"][()]
+            for name in ("model/a.0", "model/a.7", "model/b.0", "model/b.29", "model/flags"):
+                offset, numel = columns[names.index(name), :2].tolist()
+                dataset = f[name] if offset < 0 else f[
+                    "packed/bool" if name == "model/flags" else "packed/float32"]
+                assert dataset.id.get_create_plist().get_layout() == h5py.h5d.CONTIGUOUS
+                start = dataset.id.get_offset() + max(offset, 0) * dataset.dtype.itemsize
+                expected = model.state_dict()[name[len("model/"):]].numpy()
+                assert raw[start:start + expected.nbytes] == expected.tobytes(), name
+            last = int(columns[names.index("model/b.29"), 0])
+            assert f["model/a.7"][-1] == 159_999.0 and f["packed/float32"][last] == 1_000_203.0
+    WORLD.Barrier()
     with checkpoint.Reader(path) as reader:
-        assert reader.verify() == 38
+        assert reader.verify() == 39
+
+
+def test_ranks_with_nothing_to_write_join_the_write(folder):
+    """One tensor of 3 values: a single rank writes it, the others open and close the file."""
+    model = torch.nn.Module()
+    model.only = torch.nn.Parameter(torch.tensor([1.5, -2.0, 4.25]))
+    path = checkpoint.save(os.path.join(folder, "one.h5"), model)
+    with checkpoint.Reader(path) as reader:
+        assert reader.tensor("model/only").tolist() == [1.5, -2.0, 4.25]
+        assert reader.verify() == 1

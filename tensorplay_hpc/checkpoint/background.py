@@ -108,10 +108,8 @@ class SaveHandle:
 
 def join_writers() -> None:
     """Wait until no background write of this process is running; their outcomes stay for
-    :meth:`SaveHandle.wait`. Local. A blocking save runs this first: h5py lets one thread of a
-    process into HDF5 at a time, so the main thread's collective HDF5 calls and the writer
-    thread's could wait on each other across the ranks. (A load's HDF5 calls are local: it
-    only waits its turn.)"""
+    :meth:`SaveHandle.wait`. Local. A blocking save runs this first, so that saves complete in
+    the order they were made and do not compete for the disk."""
     for thread in list(_writing):
         thread.join()
 

@@ -1,7 +1,7 @@
 """Where each tensor of a checkpoint lies, and every attribute below the root: the file's index.
 
-HDF5 creates datasets and attributes collectively and one at a time, a fraction of a millisecond
-each, so a model of many small parameters would spend minutes on metadata. A file therefore
+HDF5 creates datasets and attributes one at a time, a fraction of a millisecond each, so a model
+of many small parameters would spend minutes on metadata. A file therefore
 keeps tensors of fewer than :data:`PACK_BYTES` bytes back to back in one dataset per stored
 dtype (``/packed/<dtype>``), the larger ones in their own datasets, and an index in three
 datasets that cost the same to read for any number of tensors:

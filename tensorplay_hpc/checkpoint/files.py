@@ -8,8 +8,10 @@ checkpoints are those in the same folder whose names differ only in their last n
 """
 from __future__ import annotations
 
+import ctypes
 import datetime
 import errno
+import functools
 import os
 import re
 import shutil
@@ -42,7 +44,7 @@ def create_empty(path: str) -> None:
 def check_visible(temporary: str) -> None:
     """Raise ``OSError`` unless this rank sees ``temporary``, which the first rank has just
     created. On a folder that is not one file system for every rank (a node-local ``/tmp``),
-    MPI-IO's collective open would otherwise wait forever for ranks that failed to open it."""
+    the save then fails on every rank, naming those ranks, before anything is written."""
     if not os.path.exists(temporary):
         raise OSError(errno.ENOENT, f"this rank does not see {temporary}, which rank 0 has just "
                                     "created: the folder is not on a file system that every "
@@ -53,8 +55,7 @@ def check_space(path: str, nbytes: int) -> None:
     """Fail now, with the system's error, if a file of ``nbytes`` cannot be written next to
     ``path`` (full disk, quota, file-size limit): the space is reserved, then given back.
 
-    HDF5's MPI-IO driver does not report a write that fails for lack of space reliably (it can
-    spin in the collective close), so a save checks before it writes.
+    A save checks before it writes, so that a full disk fails it before any rank has written.
     """
     probe = f"{path}{TEMP_MARK}space"
     fd = os.open(probe, os.O_CREAT | os.O_WRONLY, 0o600)
@@ -72,6 +73,30 @@ def check_space(path: str, nbytes: int) -> None:
     finally:
         os.close(fd)
         os.remove(probe)
+
+
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+@functools.lru_cache(maxsize=None)
+def _sync_file_range() -> Optional[Callable[..., int]]:
+    """Linux's ``sync_file_range``, or ``None`` where the C library lacks it."""
+    try:
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Have the system start writing bytes ``offset`` to ``offset + nbytes`` of the open file
+    ``fd`` to the disk, without waiting for them (Linux; elsewhere nothing). The ``fsync`` of
+    :func:`commit` then waits for less. A hint: a failure is ignored."""
+    function = _sync_file_range()
+    if function is not None:
+        function(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
 def _fsync(path: str, directory: bool = False) -> None:

@@ -1,21 +1,24 @@
 """Writing a checkpoint file collectively, crash-safe.
 
 The ranks first agree on the whole layout (names, shapes, dtypes, checksums, attributes) in one
-small exchange of metadata; then the datasets are created collectively, as HDF5 requires (a few:
-small tensors share one per dtype, see :mod:`.catalog`), and each rank writes its own tensors
-straight into them, one write per run of neighbouring tensors. Rank 0 writes the catalog.
-Everything goes to a temporary file in the target folder, renamed over the target only after
-every rank has succeeded, so a crash or a full disk never touches the last good checkpoint.
+small exchange of metadata. Rank 0 alone then lays out the file with serial h5py: every dataset
+(a few: small tensors share one per dtype, see :mod:`.catalog`) contiguous and allocated at
+once, the catalog and the root's attributes written, and it broadcasts where each dataset's
+bytes lie. Every rank then writes its own tensors' bytes there through MPI-IO, straight from
+their memory, one write per run of neighbouring tensors. Everything goes to a temporary file in
+the target folder, renamed over the target only after every rank has succeeded, so a crash or
+a full disk never touches the last good checkpoint.
+
+No HDF5 call waits for another rank, every MPI call releases Python's lock while it waits, and
+no communicator is created: a background save's thread never keeps the main thread's Python,
+nor its collectives, from running.
 
 The three phases, :func:`plan`, :func:`write_data` and :func:`commit`, are what a blocking
 save runs in a row and what a background save (:mod:`.background`) runs on its own thread.
-
-Without a parallel h5py the same file is written serially, rank after rank.
 """
 from __future__ import annotations
 
 import os
-import warnings
 from collections import Counter
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
@@ -29,18 +32,13 @@ from tensorplay_hpc.comm.watchdog import watched
 
 from . import files
 from . import format as fmt
-from .catalog import OFFSET, Catalog
+from .catalog import DTYPE, NUMEL, OFFSET, Catalog, packed_dataset, stored_dtype
 from .snapshot import Snapshot
 
 Arrays = List[Tuple[str, np.ndarray]]
 
-_RUN_BYTES = 64 << 20
-
-SERIAL_WARNING = (
-    "h5py was built without MPI: the checkpoint is written serially, rank by rank. For parallel "
-    "writes, build h5py against parallel HDF5 (see docs/install.md), e.g. on Debian: "
-    "CC=mpicc HDF5_MPI=ON HDF5_DIR=/usr/lib/x86_64-linux-gnu/hdf5/openmpi pip install "
-    "--no-binary=h5py --no-build-isolation --no-cache-dir h5py")
+_WRITE_BYTES = 1 << 30
+"""The most bytes one MPI-IO write carries (MPI counts in ``int``); longer runs are split."""
 
 
 def _file_size(catalog: Catalog) -> int:
@@ -51,109 +49,174 @@ def _file_size(catalog: Catalog) -> int:
     return data + (1 << 20) + 8192 * len(datasets) + 256 * len(catalog.names)
 
 
-def parallel_available() -> bool:
-    return bool(h5py.get_config().mpi)
+def _allocated() -> h5py.h5p.PropDCID:
+    """A dataset's creation properties: contiguous, its space allocated when it is created (so
+    its place in the file is known), nothing written there by HDF5 (every rank writes its own
+    bytes)."""
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_layout(h5py.h5d.CONTIGUOUS)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+    return dcpl
 
 
-def _create(f: h5py.File, catalog: Catalog, index: Dict[str, np.ndarray],
-            root_attributes: dict) -> None:
-    for name, (shape, dtype) in catalog.datasets.items():
-        f.create_dataset(name, shape=shape, dtype=dtype)
-    for name, array in index.items():
-        f.create_dataset(name, shape=array.shape, dtype=array.dtype)
-    for key, value in root_attributes.items():
-        f.attrs[key] = value
+def _lay_out(temporary: str, catalog: Catalog, root_attributes: dict) -> np.ndarray:
+    """Rank 0: create the file, every dataset of ``catalog.datasets`` allocated and unwritten,
+    the catalog and the root's attributes written. Returns each dataset's byte offset in the
+    file, in ``catalog.datasets``' order (``-1`` for one without elements). Local."""
+    offsets = np.full(len(catalog.datasets), -1, dtype=np.int64)
+    end = 0
+    with h5py.File(temporary, "w") as f:
+        for i, (name, (shape, dtype)) in enumerate(catalog.datasets.items()):
+            dataset = f.create_dataset(name, shape=shape, dtype=dtype, dcpl=_allocated())
+            offset = dataset.id.get_offset()
+            if offset is not None:
+                offsets[i] = offset
+                end = max(end, offset + dataset.id.get_storage_size())
+        for name, array in catalog.encode().items():
+            f.create_dataset(name, data=np.ascontiguousarray(array))
+        for key, value in root_attributes.items():
+            f.attrs[key] = value
+    if os.path.getsize(temporary) < end:     # HDF5 refuses a file shorter than its datasets
+        os.truncate(temporary, end)
+    return offsets
 
 
-def _runs(catalog: Catalog, arrays: Arrays) -> Iterator[Tuple[str, Optional[int], List[np.ndarray]]]:
-    """This rank's arrays grouped into writes: ``(dataset, offset, arrays)``, the arrays lying
-    back to back from ``offset`` (``None`` for a dataset of its own)."""
-    run: List[np.ndarray] = []
-    dataset, start, end, nbytes = "", 0, 0, 0
-    for name, array in arrays:
-        row = catalog.index[name]
-        offset = int(catalog.columns[row, OFFSET])
-        if offset < 0:
-            yield name, None, [array]
-            continue
-        packed = catalog.dataset(row)
-        if run and (packed != dataset or offset != end or nbytes > _RUN_BYTES):
-            yield dataset, start, run
-            run = []
-        if not run:
-            dataset, start, end, nbytes = packed, offset, offset, 0
-        run.append(array)
-        end += array.size
-        nbytes += array.nbytes
-    if run:
-        yield dataset, start, run
+def _places(catalog: Catalog, rows: np.ndarray,
+            offsets: Dict[str, int]) -> Tuple[np.ndarray, np.ndarray]:
+    """The byte of the file where the values of each of catalog rows ``rows`` begin (their
+    dataset's offset, plus their own in a packed dataset), and how many bytes they take."""
+    element, numel, codes = (catalog.columns[rows, column] for column in (OFFSET, NUMEL, DTYPE))
+    stored = [stored_dtype(name) for name in catalog.dtypes]
+    itemsize = np.array([dtype.itemsize for dtype in stored], dtype=np.int64)[codes]
+    base = np.zeros(len(rows), dtype=np.int64)
+    packed = element >= 0
+    for code in np.unique(codes[packed]).tolist():
+        base[packed & (codes == code)] = offsets[packed_dataset(stored[code])]
+    for i in np.flatnonzero(~packed).tolist():
+        base[i] = offsets[catalog.names[rows[i]]]
+    return base + np.maximum(element, 0) * itemsize, numel * itemsize
 
 
-def _write_own(f: h5py.File, catalog: Catalog, index: Dict[str, np.ndarray], arrays: Arrays,
-               rank: int) -> None:
-    for dataset, offset, run in _runs(catalog, arrays):
-        if offset is None:
-            if run[0].size:
-                f[dataset].write_direct(run[0])
-            continue
-        flat = np.concatenate([array.reshape(-1) for array in run])
-        if flat.size:
-            f[dataset].write_direct(flat, dest_sel=np.s_[offset:offset + flat.size])
-    if rank == 0:
-        for name, array in index.items():
-            if array.size:
-                f[name].write_direct(np.ascontiguousarray(array))
+def _runs(catalog: Catalog, first_row: int, arrays: Arrays,
+          offsets: Dict[str, int]) -> Iterator[Tuple[int, List[np.ndarray], List[int]]]:
+    """This rank's arrays (contiguous; catalog rows ``first_row`` on) grouped into writes:
+    ``(position, arrays, their bytes)``, the arrays lying back to back in the file from byte
+    ``position``, at most :data:`_WRITE_BYTES` in all (a longer array is split into byte
+    views)."""
+    positions, nbytes = _places(catalog, np.arange(first_row, first_row + len(arrays)), offsets)
+    kept = np.flatnonzero(nbytes)
+    parts = [arrays[i][1] for i in kept.tolist()]
+    positions, nbytes = positions[kept], nbytes[kept]
+    if (nbytes > _WRITE_BYTES).any():
+        split, where = [], []
+        for part, position in zip(parts, positions.tolist()):
+            data = part.reshape(-1).view(np.uint8)
+            for i in range(0, data.size, _WRITE_BYTES):
+                split.append(data[i:i + _WRITE_BYTES])
+                where.append(position + i)
+        parts, positions = split, np.array(where, dtype=np.int64)
+        nbytes = np.array([part.nbytes for part in parts], dtype=np.int64)
+    # Runs of parts that follow each other in the file, cut where the next would exceed the
+    # bytes of one write.
+    follows = np.zeros(len(parts), dtype=bool)
+    follows[1:] = positions[1:] == positions[:-1] + nbytes[:-1]
+    starts = np.flatnonzero(~follows).tolist() + [len(parts)]
+    ends = np.cumsum(nbytes)
+    for first, stop in zip(starts[:-1], starts[1:]):
+        while first < stop:
+            before = ends[first - 1] if first else 0
+            last = min(int(np.searchsorted(ends, before + _WRITE_BYTES, side="right")), stop)
+            last = max(last, first + 1)
+            yield int(positions[first]), parts[first:last], nbytes[first:last].tolist()
+            first = last
 
 
-def _write_parallel(temporary: str, catalog: Catalog, root_attributes: dict, arrays: Arrays,
-                    comm: MPI.Intracomm) -> Optional[Exception]:
-    with watched("checkpoint file write (HDF5 mpio)", comm):
+def _write_run(handle: MPI.File, position: int, run: List[np.ndarray],
+               lengths: List[int]) -> None:
+    """Write ``run``'s arrays (of ``lengths`` bytes) back to back at byte ``position`` of the
+    file, from their own memory: one array as it is, several through a datatype of their
+    addresses."""
+    datatype = None
+    nbytes = sum(lengths)
+    if len(run) == 1:
+        message = [run[0], nbytes, MPI.BYTE]
+    else:
+        datatype = MPI.BYTE.Create_hindexed(lengths, [MPI.Get_address(part) for part in run])
+        datatype.Commit()
+        message = [MPI.BOTTOM, 1, datatype]
+    try:
+        status = MPI.Status()
+        handle.Write_at(position, message, status)
+        written = status.Get_count(MPI.BYTE)
+    finally:
+        if datatype is not None:
+            datatype.Free()
+    if written != nbytes:    # how Open MPI's MPI-IO reports a full disk or a file-size limit
+        raise OSError(f"wrote {written} of {nbytes} bytes at byte {position} of the file (a "
+                      "full disk, a quota or a file-size limit?)")
+
+
+def _write_own(temporary: str, catalog: Catalog, offsets: np.ndarray, first_row: int,
+               arrays: Arrays) -> None:
+    """Write this rank's arrays (catalog rows ``first_row`` on) where their datasets lie
+    (``offsets``, as :func:`_lay_out` returns them). Local: the file is opened by this rank
+    alone (an MPI-IO open on more ranks creates a communicator, which Open MPI does one at a
+    time per process, so it could wait for the main thread's), and only if it has values to
+    write."""
+    runs = list(_runs(catalog, first_row, arrays, dict(zip(catalog.datasets, offsets.tolist()))))
+    if not runs:
+        return
+    handle = MPI.File.Open(MPI.COMM_SELF, temporary, MPI.MODE_WRONLY)
+    try:
+        fd = os.open(temporary, os.O_WRONLY)     # to start each run's writeback at once
         try:
-            f = h5py.File(temporary, "w", driver="mpio", comm=comm)
-        except Exception as error:  # the open is collective: it fails everywhere or nowhere
-            return error
-        error = None
+            for position, run, lengths in runs:
+                _write_run(handle, position, run, lengths)
+                files.start_writeback(fd, position, sum(lengths))
+        finally:
+            os.close(fd)
+    finally:
+        handle.Close()
+
+
+def _write(layout: Layout, comm: MPI.Intracomm, what: str) -> None:
+    """Rank 0 lays the file out, then every rank writes its arrays into it. Collective.
+
+    Raises:
+        CheckpointError: on every rank, if any rank failed.
+    """
+    offsets = np.full(len(layout.catalog.datasets), -1, dtype=np.int64)
+    error = None
+    if comm.Get_rank() == 0:
         try:
-            index = catalog.encode()
-            _create(f, catalog, index, root_attributes)
-            _write_own(f, catalog, index, arrays, comm.Get_rank())
+            offsets = _lay_out(layout.temporary, layout.catalog, layout.root_attributes)
         except Exception as failure:
             error = failure
-        finally:
-            try:
-                f.close()
-            except Exception as failure:
-                error = error or failure
-    return error
-
-
-def _write_serial(temporary: str, catalog: Catalog, root_attributes: dict, arrays: Arrays,
-                  comm: MPI.Intracomm) -> Optional[Exception]:
+    with watched("checkpoint file layout", comm):
+        agree(comm, error, what, fmt.CheckpointError)
+        comm.Bcast(offsets, root=0)
     error = None
-    index = catalog.encode()
-    for turn in range(comm.Get_size()):
-        if turn == comm.Get_rank():
-            try:
-                with h5py.File(temporary, "w" if turn == 0 else "r+") as f:
-                    if turn == 0:
-                        _create(f, catalog, index, root_attributes)
-                    _write_own(f, catalog, index, arrays, turn)
-            except Exception as failure:
-                error = failure
-        comm.Barrier()
-    return error
+    try:
+        _write_own(layout.temporary, layout.catalog, offsets, layout.first_row, layout.arrays)
+    except Exception as failure:
+        error = failure
+    with watched("checkpoint file write (MPI-IO)", comm):
+        agree(comm, error, what, fmt.CheckpointError)
 
 
 @dataclass
 class Layout:
     """A save after :func:`plan`: the file's layout, agreed on every rank, and this rank's
-    arrays; the temporary file exists (empty) in the target folder."""
+    arrays (contiguous), the catalog's rows ``first_row`` on; the temporary file exists (empty)
+    in the target folder."""
 
     path: str
     temporary: str
     catalog: Catalog
     root_attributes: dict
     arrays: Arrays
+    first_row: int
 
 
 def plan(path: str, snapshot: Snapshot, comm: MPI.Intracomm,
@@ -215,25 +278,19 @@ def plan(path: str, snapshot: Snapshot, comm: MPI.Intracomm,
         if rank == 0:
             files.discard(temporary)
         raise
-    return Layout(path, temporary, catalog, attributes.get("", {}), arrays)
+    first_row = sum(len(part[0]) for part, _ in gathered[:rank])
+    return Layout(path, temporary, catalog, attributes.get("", {}), arrays, first_row)
 
 
 def write_data(layout: Layout, comm: MPI.Intracomm) -> Layout:
-    """The second phase: every rank writes its arrays into the temporary file (in parallel, or
-    rank after rank without a parallel h5py). Collective.
+    """The second phase: rank 0 lays out the temporary file (datasets, catalog, attributes),
+    then every rank writes its arrays into it through MPI-IO. Collective.
 
     Raises:
         CheckpointError: on every rank, if any rank failed; the temporary file is deleted.
     """
-    args = (layout.temporary, layout.catalog, layout.root_attributes, layout.arrays, comm)
-    if parallel_available():
-        error = _write_parallel(*args)
-    else:
-        if comm.Get_rank() == 0:
-            warnings.warn(SERIAL_WARNING, RuntimeWarning, stacklevel=4)
-        error = _write_serial(*args)
     try:
-        agree(comm, error, f"saving checkpoint {layout.path}", fmt.CheckpointError)
+        _write(layout, comm, f"saving checkpoint {layout.path}")
     except fmt.CheckpointError:
         if comm.Get_rank() == 0:
             files.discard(layout.temporary)

@@ -172,7 +172,7 @@ def as_text(report: Dict[str, Any]) -> str:
         f"  remote tensors  transport {report['rma_transport']}",
         f"  parallel HDF5   "
         + (f"h5py {hdf5['h5py']}, HDF5 {hdf5['hdf5']}, "
-           f"{'parallel (mpio)' if hdf5['parallel'] else 'SERIAL: checkpoints written rank after rank'}"
+           f"{'parallel (mpio)' if hdf5['parallel'] else 'serial (enough for checkpoints)'}"
            if hdf5.get("h5py") else f"h5py missing ({hdf5.get('error')})"),
     ]
     ompi = report["open_mpi"]

@@ -214,8 +214,6 @@ class Run(comm.Closeable):
             return
         handle, step = self._saving
         if if_done:
-            # A buffer allreduce, which releases Python's lock while it waits: the writer thread
-            # may hold that lock in its own collectives (h5py's), which need the other ranks.
             done = torch.tensor([int(handle.done())])
             comm.all_reduce(done, self.group.comm, comm.ReduceOp.MIN)
             if not done.item():
