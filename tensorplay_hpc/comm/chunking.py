@@ -4,8 +4,9 @@ allreduces, which are faster in cache-sized pieces.
 The count limit is read from ``TENSORPLAY_HPC_CHUNK_ELEMENTS`` on first use (default
 2**31 - 1; :func:`.environment.reload` reads it again), so tests can force many chunks with a
 tiny value. One ``Allreduce`` of tens of MiB streams through memory several times; in pieces of
-a few MiB the bytes stay in the cache between the steps of the algorithm (Open MPI's blocking allreduce in 4 MiB pieces measured 2-4x faster
-than one call on 64 MiB on a shared-memory node). ``TENSORPLAY_HPC_PIECE_BYTES`` sets the piece.
+a few MiB the bytes stay in the cache between the steps of the algorithm (Open MPI's blocking
+allreduce in 4 MiB pieces measured 2-4x faster than one call on 64 MiB on a shared-memory node).
+``TENSORPLAY_HPC_PIECE_BYTES`` sets the piece.
 """
 from __future__ import annotations
 
