@@ -174,7 +174,8 @@ def test_rank_0_lays_out_the_file_and_every_rank_writes_its_bytes_through_mpi_io
 
 
 def test_ranks_with_nothing_to_write_join_the_write(folder):
-    """One tensor of 3 values: a single rank writes it, the others open and close the file."""
+    """One tensor of 3 values: a single rank writes it; the others do not open the file, yet
+    take part in the save's agreements."""
     model = torch.nn.Module()
     model.only = torch.nn.Parameter(torch.tensor([1.5, -2.0, 4.25]))
     path = checkpoint.save(os.path.join(folder, "one.h5"), model)

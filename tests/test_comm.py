@@ -7,7 +7,7 @@ from mpi4py import MPI
 
 from tensorplay_hpc import comm
 from tensorplay_hpc.bench.network import bytes_sent
-from tensorplay_hpc.comm import ReduceOp, staging
+from tensorplay_hpc.comm import ReduceOp, collectives, staging
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16,
           torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8]
@@ -262,7 +262,7 @@ def test_coalesced_mixed_dtypes(group, chunking):
 
 
 @pytest.mark.parametrize("async_op", [False, True], ids=["streamed", "async"])
-def test_coalesced_streams_pieces(group, setting, async_op):
+def test_coalesced_streams_pieces(group, setting, monkeypatch, async_op):
     """With 64-byte pieces (16 float32 elements): small tensors packed a piece at a time, large
     ones reduced in their own memory (float32), through a float32 piece (bfloat16), or staged
     (not contiguous); every rank ends with the exact averages and the tensors keep storage."""
@@ -272,9 +272,21 @@ def test_coalesced_streams_pieces(group, setting, async_op):
                torch.full((9,), r), torch.empty(0), (torch.arange(60.) + r).view(6, 10).t(),
                (torch.arange(50.) + r).to(torch.bfloat16), torch.full((3,), r, dtype=torch.bfloat16)]
     storages = [t.data_ptr() for t in tensors]
+    calls = []
+    real = collectives.all_reduce
+
+    def recording(tensor, *args, **kwargs):
+        calls.append((tensor.numel(), tensor.data_ptr() in storages))
+        return real(tensor, *args, **kwargs)
+    monkeypatch.setattr(collectives, "all_reduce", recording)
     work = comm.all_reduce_coalesced(tensors, group.comm, ReduceOp.AVG, async_op=async_op)
     if async_op:
         work.wait()
+        assert calls == [(121, False), (53, False)]      # one flat buffer per dtype
+    else:   # float32: 40 in place; 5 + 7 packed; 60 (transposed) given whole to all_reduce,
+        # which stages it; 9 + 0 packed. bfloat16: 50 through the piece, 16 at a time; 3 packed
+        assert calls == [(40, True), (12, False), (60, True), (9, False),
+                         (16, False), (16, False), (16, False), (2, False), (3, False)]
     mean = (group.size - 1) / 2
     assert tensors[0].tolist() == [mean] * 5
     assert tensors[1].tolist() == (torch.arange(40.) + mean).tolist()
@@ -330,7 +342,7 @@ def test_contiguous_cpu_tensors_are_zero_copy():
 def test_host_staging_path_copies_in_and_out(group, monkeypatch, chunking):
     """The path GPU tensors take when MPI is not CUDA-aware, run on CPU tensors."""
     monkeypatch.setattr(staging, "needs_host_copy", lambda tensor: True)
-    monkeypatch.setattr(staging, "ZERO_COPY", {})
+    monkeypatch.setattr(staging, "NATIVE", {})
     t = torch.full((5,), float(group.rank + 1))
     staged = comm.Staged(t)
     assert staged.staged and staged.work is not t and staged.work.data_ptr() != t.data_ptr()

@@ -17,10 +17,6 @@ from . import cuda
 from .dtypes import NATIVE, move_datatype, reduce_dtype
 
 
-ZERO_COPY = NATIVE
-"""The dtypes whose contiguous CPU tensors go to MPI as they are, without further checks."""
-
-
 def needs_host_copy(tensor: torch.Tensor) -> bool:
     """Whether MPI cannot read ``tensor``'s memory directly."""
     return not tensor.is_cpu and not (tensor.is_cuda and cuda.is_cuda_aware())
@@ -55,8 +51,9 @@ class Staged:
             raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
         self.tensor = tensor
         dtype = tensor.dtype
-        self.datatype: MPI.Datatype = ZERO_COPY.get(dtype) if tensor.is_cpu else None
-        if self.datatype is not None and tensor.is_contiguous():   # the common case, at once
+        # The common case at once: a contiguous CPU tensor of a dtype MPI knows goes as it is.
+        self.datatype: MPI.Datatype = NATIVE.get(dtype) if tensor.is_cpu else None
+        if self.datatype is not None and tensor.is_contiguous():
             self.work, self.staged = tensor, False
             return
         if tensor.is_sparse:

@@ -85,23 +85,24 @@ def _tensors(params: Iterable[torch.Tensor]) -> Tuple[List[torch.Tensor], List[I
 
 def _lives_in(flat: comm.FlatBuffer, params: List[torch.Tensor]) -> bool:
     """Whether ``params`` are the views of ``flat``'s buffer (re-pointed by an earlier call)."""
-    return flat.buffer.dtype == params[0].dtype and all(
-        p.data_ptr() == view.data_ptr() for p, view in zip(params, flat.views))
+    return all(p.data_ptr() == view.data_ptr() for p, view in zip(params, flat.views))
 
 
 def _average(selected: List[torch.Tensor], communicator: MPI.Intracomm,
              buffers: Optional[Dict[tuple, comm.FlatBuffer]]) -> None:
-    """Average ``selected`` in place, one flat allreduce per dtype and device. Collective."""
+    """Average ``selected`` in place, per dtype and device: streamed a piece at a time, or, with
+    ``buffers``, as one flat buffer kept there that the parameters are re-pointed into.
+    Collective."""
     with trace.caller("model averaging"):
         for (dtype, device), indices in comm.group_by_dtype_device(selected).items():
             group = [selected[i].detach() for i in indices]
-            key = (dtype, device, tuple(t.shape for t in group))
             if buffers is None or reduce_dtype(dtype) != dtype:
                 comm.all_reduce_coalesced(group, communicator, comm.ReduceOp.AVG)
                 continue
-            flat = buffers.get(key)
+            shapes = tuple(t.shape for t in group)
+            flat = buffers.get((dtype, device, shapes))
             if flat is None or not _lives_in(flat, group):
-                flat = buffers[key] = comm.FlatBuffer(key[2], dtype, device)
+                flat = buffers[dtype, device, shapes] = comm.FlatBuffer(shapes, dtype, device)
                 flat.copy_from(group)
                 for i, view in zip(indices, flat.views):
                     selected[i].data = view
