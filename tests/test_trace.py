@@ -4,6 +4,7 @@ rank was doing."""
 import json
 import os
 import re
+import threading
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,7 @@ def test_ring_and_trace_hold_a_known_sequence(world, traced):
     group = comm.ProcessGroup()
     size = group.size
     name = f"MPI_COMM_WORLD (private duplicate) of {size} ranks"
+    before = trace.bytes_communicated()
     with trace.caller("outer"), trace.caller("known"):
         comm.all_reduce(torch.ones(4), group.comm)                          # 16 bytes
         comm.broadcast(torch.ones(3, dtype=torch.float64), group.comm)      # 24 bytes
@@ -63,6 +65,12 @@ def test_ring_and_trace_hold_a_known_sequence(world, traced):
         comm.all_reduce(torch.ones(1), group.comm)
     assert len(trace.recent()) == trace.RECENT
     assert [op.nbytes for op in trace.recent()] == [4] * trace.RECENT
+    helper = threading.Thread(target=comm.broadcast, args=(torch.ones(5), group.comm),
+                              name="helper")   # 20 bytes, counted by another thread
+    helper.start()
+    helper.join()
+    assert trace.recent()[-1].thread == "helper"
+    assert trace.bytes_communicated() - before == 16 + 24 + 4 * size + 4 * (trace.RECENT + 3) + 20
 
     merged = trace.write(world)
     group.close()
@@ -71,7 +79,7 @@ def test_ring_and_trace_hold_a_known_sequence(world, traced):
     assert events[:5] == [("all_reduce", "X", 16), ("broadcast", "X", 24),
                           ("all_gather", "b", 4 * size), ("all_gather", "e", None),
                           ("local work", "X", 0)]
-    assert events[5:] == [("all_reduce", "X", 4)] * (trace.RECENT + 3)
+    assert events[5:] == [("all_reduce", "X", 4)] * (trace.RECENT + 3) + [("broadcast", "X", 20)]
     if world.rank == 0:
         every = _timed(json.loads(merged.read_text())["traceEvents"])
         assert sorted({e["pid"] for e in every}) == list(range(world.size))

@@ -33,7 +33,9 @@ def median_seconds(fn: Callable[[], object], repeat: int = 7, warmup: int = 2,
 def compare(fns: Sequence[Callable[[], object]], repeat: int = 7, warmup: int = 2,
             comm: Optional[MPI.Intracomm] = None) -> List[float]:
     """:func:`median_seconds` of several functions, their samples interleaved so that a noisy
-    machine slows all of them alike. Collective."""
+    machine slows all of them alike. Each round starts with the next function in turn, so that
+    none always runs right after the same other one (a gloo call, say, whose threads linger).
+    Collective."""
     comm = comm or MPI.COMM_WORLD
     batches = []
     for fn in fns:
@@ -42,7 +44,8 @@ def compare(fns: Sequence[Callable[[], object]], repeat: int = 7, warmup: int = 
         calls = max(1, math.ceil(MIN_SAMPLE_S / max(_timed(fn, 1, comm), 1e-7)))
         batches.append(comm.allreduce(min(calls, 1000), op=MPI.MAX))
     samples: List[List[float]] = [[] for _ in fns]
-    for _ in range(repeat):
-        for fn, calls, times in zip(fns, batches, samples):
-            times.append(_timed(fn, calls, comm))
+    for round_ in range(repeat):
+        for i in range(len(fns)):
+            k = (round_ + i) % len(fns)
+            samples[k].append(_timed(fns[k], batches[k], comm))
     return [statistics.median(times) for times in samples]

@@ -19,7 +19,7 @@ from .chunking import chunk_elements, chunks, piece_elements
 from .consistency import check_collective
 from .dtypes import ReduceOp, half_sum_op, is_half, reduce_dtype, reduce_op
 from .flat_buffer import group_by_dtype_device, pack_by_dtype_device
-from .staging import Staged, needs_host_copy
+from .staging import Staged, memory, needs_host_copy
 from .watchdog import watched
 from .work import Work, complete
 
@@ -187,17 +187,17 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, comm: MPI.Intracomm,
         return all_gather_v(output, [input.numel()] * size, comm, input, async_op)
     send = Staged(input)
     recv = Staged(output, copy_in=False)
-    spec = [recv.buf()[0], input.numel(), recv.datatype]  # the count is per rank
-    check_collective(comm, "all_gather", count=input.numel(), dtype=input.dtype)
-    requests = []
+    count = input.numel()
+    spec = [memory(recv.work), count, recv.datatype]  # the count is per rank
+    check_collective(comm, "all_gather", count=count, dtype=input.dtype)
     record = trace.collective("all_gather", comm, output.nbytes, async_op)
     with watched("all_gather", comm), record:
-        if async_op:
-            requests.append(comm.Iallgather(send.buf(), spec))
-        else:
+        if not async_op:
             comm.Allgather(send.buf(), spec)
-    return complete(requests, recv.finish, async_op, keep=[send], operation="all_gather",
-                    comm=comm, record=record)
+            recv.finish()
+            return None
+        request = comm.Iallgather(send.buf(), spec)
+    return Work([request], recv.finish, [send], "all_gather", comm, record)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, comm: MPI.Intracomm,

@@ -33,7 +33,7 @@ def memory(tensor: torch.Tensor, start: int = 0, count: Optional[int] = None) ->
     size = tensor.element_size()
     if count is None:
         count = tensor.numel() - start
-    address = tensor.data_ptr() + start * size if tensor.numel() else 0
+    address = tensor.data_ptr() + start * size if count else 0
     return MPI.buffer.fromaddress(address, count * size)
 
 
@@ -45,6 +45,8 @@ class Staged:
         reduce: the operation does arithmetic, so 16-bit floats are staged in float32.
         copy_in: MPI reads the tensor's values (false for pure receive buffers).
     """
+
+    __slots__ = ("tensor", "work", "staged", "datatype")
 
     def __init__(self, tensor: torch.Tensor, *, reduce: bool = False, copy_in: bool = True) -> None:
         if not isinstance(tensor, torch.Tensor):

@@ -34,17 +34,31 @@ _recent: Deque["Operation"] = deque(maxlen=RECENT)
 _kept: Optional[List["Operation"]] = None
 _directory: Optional[Path] = None
 _written = False
-_thread = threading.local()   # the current thread's name, looked up once per thread
-_communicated = [0]           # bytes handed to collectives and one-sided operations
-_count_lock = threading.Lock()   # DDP's communication thread counts too
 
 
-def _thread_name() -> str:
+class _ThreadState:
+    """A thread's name, looked up once, and the bytes its operations have handed to MPI
+    (counted by the thread alone, so without a lock)."""
+
+    __slots__ = ("name", "communicated")
+
+    def __init__(self, name: str) -> None:
+        self.name, self.communicated = name, 0
+
+
+_local = threading.local()
+_threads: List[_ThreadState] = []   # every thread's state, for the total
+_threads_lock = threading.Lock()
+
+
+def _thread_state() -> _ThreadState:
     try:
-        return _thread.name
+        return _local.state
     except AttributeError:
-        _thread.name = threading.current_thread().name
-        return _thread.name
+        state = _local.state = _ThreadState(threading.current_thread().name)
+        with _threads_lock:
+            _threads.append(state)
+        return state
 
 
 class Operation:
@@ -61,7 +75,9 @@ class Operation:
         self.name, self.kind, self.comm, self.nbytes = name, kind, comm, nbytes
         self.asynchronous = asynchronous
         self.caller = _caller.get()
-        self.thread = _thread_name()
+        state = _thread_state()
+        state.communicated += nbytes
+        self.thread = state.name
         self.start = 0.0
         self.end: Optional[float] = None
 
@@ -103,28 +119,22 @@ def communicator_name(comm: MPI.Comm) -> str:
     return comm.Get_name() or f"unnamed communicator of {comm.Get_size()} ranks"
 
 
-def _count(nbytes: int) -> None:
-    with _count_lock:
-        _communicated[0] += nbytes
-
-
 def bytes_communicated() -> int:
     """Bytes of this rank's data handed to collectives and one-sided operations so far (the
-    sizes that their trace entries record), traced or not. Local."""
-    return _communicated[0]
+    sizes that their trace entries record), by all threads, traced or not. Local."""
+    with _threads_lock:
+        return sum(state.communicated for state in _threads)
 
 
 def collective(name: str, comm: MPI.Comm, nbytes: int, asynchronous: bool = False) -> Operation:
     """A collective on ``comm`` moving ``nbytes`` of this rank's data, to run in a ``with``
     block. Local."""
-    _count(nbytes)
     return Operation(name, "collective", communicator_name(comm), nbytes, asynchronous)
 
 
 def rma(name: str, comm_name: str, nbytes: int) -> Operation:
     """A one-sided operation (or epoch) on a window over the communicator called ``comm_name``
     (:func:`communicator_name`), in a ``with`` block. Local."""
-    _count(nbytes)
     return Operation(name, "rma", comm_name, nbytes, False)
 
 
