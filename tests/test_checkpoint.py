@@ -4,6 +4,7 @@ import json
 import os
 import re
 import resource
+import zlib
 
 import h5py
 import numpy as np
@@ -197,6 +198,14 @@ def test_file_format_is_plain_hdf5(folder):
             assert catalog["attributes"]["optimizer"]["class"] == "torch.optim.sgd.SGD"
         assert checkpoint.latest(folder) == path
     WORLD.Barrier()
+
+
+def test_checksum_taken_in_pieces_is_the_crc32_of_the_whole():
+    data = np.random.default_rng(0).integers(0, 256, 3 * fmt.CHECKSUM_PIECE_BYTES + 5,
+                                             dtype=np.uint8)
+    assert fmt.checksum(data[:-5].view(np.float32)) == zlib.crc32(data[:-5].tobytes())
+    assert fmt.checksum(data) == zlib.crc32(data.tobytes())
+    assert fmt.checksum(data[:0]) == 0
 
 
 def test_keep_prunes_older_checkpoints(folder):

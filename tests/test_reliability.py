@@ -31,6 +31,24 @@ def test_consistent_ranks_pass(group):
     assert items == [("w", ((3, 4), "float32", "cpu")), ("b", ((4,), "float32", "cpu"))]
 
 
+def test_quiet_agreement_waits_for_the_last_rank_and_shares_its_error(group):
+    """A background thread's agreement: no rank leaves before the last has arrived (each rank
+    arrives 50 ms after the one before), and a failure on the last rank is raised everywhere."""
+    world = group.comm
+    world.Barrier()
+    started = time.perf_counter()
+    time.sleep(0.05 * group.rank)
+    last = group.size - 1
+    error = ValueError("disk full") if group.rank == last else None
+    with pytest.raises(RuntimeError) as raised:
+        comm.agree(world, error, "saving", quiet=True)
+    assert time.perf_counter() - started >= 0.05 * last
+    assert str(raised.value) == f"saving failed on 1 of {group.size} ranks: rank {last}: " \
+                                "ValueError: disk full"
+    comm.quiet_barrier(world)
+    comm.agree(world, None, "saving", quiet=True)     # nothing failed: returns on every rank
+
+
 @pytest.mark.mpi(min_size=2)
 def test_mismatch_is_the_same_error_on_every_rank(group):
     shape = (3, 5) if group.rank == 1 else (3, 4)

@@ -150,8 +150,9 @@ class AsyncCheckpointer(Closeable):
         group = self._group.comm
         snap = snapshot.collect(group, path, model, optimizer, extra, replica_group,
                                 self._buffers.copy)
-        self._pending = SaveHandle(path, lambda: writer.write(path, snap, group, keep),
-                                   self.threaded, time.perf_counter() - started)
+        self._pending = SaveHandle(
+            path, lambda: writer.write(path, snap, group, keep, background=self.threaded),
+            self.threaded, time.perf_counter() - started)
         return self._pending
 
     def _finish_previous(self) -> None:

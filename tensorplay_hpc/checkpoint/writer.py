@@ -27,7 +27,7 @@ import h5py
 import numpy as np
 from mpi4py import MPI
 
-from tensorplay_hpc.comm import agree
+from tensorplay_hpc.comm import agree, quiet_barrier
 from tensorplay_hpc.comm.watchdog import watched
 
 from . import files
@@ -37,8 +37,9 @@ from .snapshot import Snapshot
 
 Arrays = List[Tuple[str, np.ndarray]]
 
-_WRITE_BYTES = 1 << 30
-"""The most bytes one MPI-IO write carries (MPI counts in ``int``); longer runs are split."""
+_WRITE_BYTES = 1 << 20
+"""The most bytes one MPI-IO write carries; longer runs are split, and the thread offers its core
+to others between writes (as :func:`.format.checksum` does between pieces)."""
 
 
 def _file_size(catalog: Catalog) -> int:
@@ -174,6 +175,7 @@ def _write_own(temporary: str, catalog: Catalog, offsets: np.ndarray, first_row:
             for position, run, lengths in runs:
                 _write_run(handle, position, run, lengths)
                 files.start_writeback(fd, position, sum(lengths))
+                os.sched_yield()
         finally:
             os.close(fd)
     finally:
@@ -194,7 +196,7 @@ def _write(layout: Layout, comm: MPI.Intracomm, what: str) -> None:
         except Exception as failure:
             error = failure
     with watched("checkpoint file layout", comm):
-        agree(comm, error, what, fmt.CheckpointError)
+        agree(comm, error, what, fmt.CheckpointError, quiet=layout.background)
         comm.Bcast(offsets, root=0)
     error = None
     try:
@@ -202,14 +204,16 @@ def _write(layout: Layout, comm: MPI.Intracomm, what: str) -> None:
     except Exception as failure:
         error = failure
     with watched("checkpoint file write (MPI-IO)", comm):
-        agree(comm, error, what, fmt.CheckpointError)
+        agree(comm, error, what, fmt.CheckpointError, quiet=layout.background)
 
 
 @dataclass
 class Layout:
     """A save after :func:`plan`: the file's layout, agreed on every rank, and this rank's
     arrays (contiguous), the catalog's rows ``first_row`` on; the temporary file exists (empty)
-    in the target folder."""
+    in the target folder. ``background``: the save runs on a background thread, which waits
+    for the other ranks without spinning inside MPI
+    (:func:`tensorplay_hpc.comm.quiet_barrier`)."""
 
     path: str
     temporary: str
@@ -217,12 +221,14 @@ class Layout:
     root_attributes: dict
     arrays: Arrays
     first_row: int
+    background: bool
 
 
-def plan(path: str, snapshot: Snapshot, comm: MPI.Intracomm,
-         keep: Optional[int] = None) -> Layout:
+def plan(path: str, snapshot: Snapshot, comm: MPI.Intracomm, keep: Optional[int] = None,
+         background: bool = False) -> Layout:
     """The first phase of a save: agree on the layout (every tensor's name, shape, dtype and
-    checksum, and the attributes) and create the temporary file. Collective.
+    checksum, and the attributes) and create the temporary file. Collective; ``background``:
+    run by a background thread (see :class:`Layout`).
 
     Raises:
         CheckpointError: on every rank, if any rank failed.
@@ -244,7 +250,7 @@ def plan(path: str, snapshot: Snapshot, comm: MPI.Intracomm,
             os.makedirs(os.path.dirname(path), exist_ok=True)
     except Exception as failure:
         error = failure
-    agree(comm, error, what, fmt.CheckpointError)
+    agree(comm, error, what, fmt.CheckpointError, quiet=background)
 
     gathered = comm.allgather((layout, snapshot.attributes))
     names, shapes, dtypes, crcs = ([value for part, _ in gathered for value in part[c]]
@@ -266,20 +272,21 @@ def plan(path: str, snapshot: Snapshot, comm: MPI.Intracomm,
             files.create_empty(temporary)
         except OSError as failure:
             error = failure
-    agree(comm, error, what, fmt.CheckpointError)
+    agree(comm, error, what, fmt.CheckpointError, quiet=background)
     error = None
     try:
         files.check_visible(temporary)
     except OSError as failure:
         error = failure
     try:
-        agree(comm, error, what, fmt.CheckpointError)
+        agree(comm, error, what, fmt.CheckpointError, quiet=background)
     except fmt.CheckpointError:
         if rank == 0:
             files.discard(temporary)
         raise
     first_row = sum(len(part[0]) for part, _ in gathered[:rank])
-    return Layout(path, temporary, catalog, attributes.get("", {}), arrays, first_row)
+    return Layout(path, temporary, catalog, attributes.get("", {}), arrays, first_row,
+                  background)
 
 
 def write_data(layout: Layout, comm: MPI.Intracomm) -> Layout:
@@ -316,18 +323,24 @@ def commit(layout: Layout, comm: MPI.Intracomm, keep: Optional[int] = None) -> s
         except Exception as failure:
             error = failure
             files.discard(layout.temporary)
-    agree(comm, error, f"saving checkpoint {layout.path}", fmt.CheckpointError)
+    agree(comm, error, f"saving checkpoint {layout.path}", fmt.CheckpointError,
+          quiet=layout.background)
     if keep is not None and rank == 0:
         files.prune(layout.path, keep)
-    comm.Barrier()
+    if layout.background:
+        quiet_barrier(comm)
+    else:
+        comm.Barrier()
     return layout.path
 
 
-def write(path: str, snapshot: Snapshot, comm: MPI.Intracomm, keep: Optional[int] = None) -> str:
+def write(path: str, snapshot: Snapshot, comm: MPI.Intracomm, keep: Optional[int] = None,
+          background: bool = False) -> str:
     """Write ``snapshot`` (this rank's part) into the checkpoint file ``path``: :func:`plan`,
-    :func:`write_data`, :func:`commit`. Collective.
+    :func:`write_data`, :func:`commit`. Collective; ``background``: run by a background thread
+    (see :class:`Layout`).
 
     Returns the absolute path. Raises :class:`~.format.CheckpointError` on every rank if any
     rank fails; the previous file at ``path`` (if any) is then left as it was.
     """
-    return commit(write_data(plan(path, snapshot, comm, keep), comm), comm, keep)
+    return commit(write_data(plan(path, snapshot, comm, keep, background), comm), comm, keep)

@@ -9,7 +9,8 @@
   cache-sized pieces; :mod:`.environment` reads the variables every collective consults once;
 - :mod:`.flat_buffer` packs many tensors into one buffer;
 - :mod:`.collectives` and :mod:`.work` are the collectives, blocking or not;
-- :mod:`.agreement` turns a failure on one rank into the same error on all;
+- :mod:`.agreement` turns a failure on one rank into the same error on all, and lets a
+  background thread wait for the other ranks without spinning inside MPI;
 - :mod:`.consistency`, :mod:`.watchdog` and :mod:`.abort` keep a diverging rank from hanging
   the others;
 - :mod:`.trace` records every collective and one-sided operation (the last few always, for
@@ -20,7 +21,7 @@
   node, one-sided windows).
 """
 from . import capabilities
-from .agreement import agree
+from .agreement import agree, quiet_barrier
 from .abort import abort_on_exception
 from .chunking import CHUNK_ENV, PIECE_ENV, chunk_elements, chunks, piece_elements
 from .consistency import check_consistent, gather_digests, tensor_signature
@@ -42,6 +43,7 @@ __all__ = [
     "all_reduce", "all_reduce_coalesced", "broadcast", "broadcast_coalesced", "capabilities",
     "check_consistent", "chunk_elements", "chunks", "device_for_rank", "gather", "gather_digests",
     "group_by_dtype_device", "is_cuda_aware", "is_member", "local_rank", "memory",
-    "pack_by_dtype_device", "piece_elements", "private_comm", "reduce", "reduce_scatter", "resolve",
+    "pack_by_dtype_device", "piece_elements", "private_comm", "quiet_barrier", "reduce",
+    "reduce_scatter", "resolve",
     "tensor_signature",
 ]
