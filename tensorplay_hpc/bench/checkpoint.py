@@ -96,6 +96,7 @@ def _background_save(report: Report, folder: str, world: MPI.Intracomm, repeat: 
                                                    _slowest(handle.write_seconds, world))):
                     values.append(value)
         host_bytes = world.allreduce(checkpointer.host_bytes)
+    optimizer.close()
     blocking_s, stall_s, alone_s, during_s, write_s = (
         statistics.median(values) for values in samples)
     nbytes = os.path.getsize(path)
@@ -141,6 +142,7 @@ def _write_bandwidth(report: Report, folder: str, world: MPI.Intracomm, nbytes: 
         report.add("checkpoint", "save write bandwidth", save_s, baseline, seconds, nbytes=nbytes,
                    ours_GBps=round(nbytes / save_s / 1e9, 3),
                    raw_GBps=round(nbytes / seconds / 1e9, 3))
+    optimizer.close()
 
 
 def _bytes_read(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -223,6 +225,7 @@ def _zero_save_and_load(report: Report, folder: str, world: MPI.Intracomm,
                                     torch_load], repeat, warmup)
     report.add("checkpoint", f"load (zero adam{what})", load_s, "torch-save", torch_load_s,
                nbytes=nbytes)
+    ours.close()
     return nbytes
 
 

@@ -79,7 +79,7 @@ def run(report: Report) -> None:
                     CONSOLIDATE_REPEAT, warmup=1)
                 report.add("zero", "consolidate_state_dict (adam)", ours_s, "torch-gloo",
                            theirs_s, nbytes=2 * nbytes)
-            del ours, theirs
+            ours.close()
     _tiny_parameters(report)
 
 
@@ -90,3 +90,4 @@ def _tiny_parameters(report: Report) -> None:
     ours_s, theirs_s = compare([ours.step, theirs.step], report.repeat)
     report.add("zero", f"foreach adam step, {TINY_COUNT:,} tiny parameters", ours_s,
                "torch-gloo", theirs_s, nbytes=4 * sum(p.numel() for p in ours.params_by_index))
+    ours.close()
