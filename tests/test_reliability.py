@@ -32,20 +32,23 @@ def test_consistent_ranks_pass(group):
 
 
 def test_quiet_agreement_waits_for_the_last_rank_and_shares_its_error(group):
-    """A background thread's agreement: no rank leaves before the last has arrived (each rank
-    arrives 50 ms after the one before), and a failure on the last rank is raised everywhere."""
-    world = group.comm
-    world.Barrier()
-    started = time.perf_counter()
-    time.sleep(0.05 * group.rank)
-    last = group.size - 1
-    error = ValueError("disk full") if group.rank == last else None
-    with pytest.raises(RuntimeError) as raised:
-        comm.agree(world, error, "saving", quiet=True)
-    assert time.perf_counter() - started >= 0.05 * last
-    assert str(raised.value) == f"saving failed on 1 of {group.size} ranks: rank {last}: " \
-                                "ValueError: disk full"
-    comm.quiet_barrier(world)
+    """A background thread's waits: no rank leaves a quiet barrier, nor a quiet agreement,
+    before the last rank has arrived (each rank arrives 50 ms after the one before), and a
+    failure on the last rank is raised everywhere."""
+    world, last = group.comm, group.size - 1
+    for agreement in (False, True):
+        world.Barrier()
+        started = time.perf_counter()
+        time.sleep(0.05 * group.rank)
+        if agreement:
+            error = ValueError("disk full") if group.rank == last else None
+            with pytest.raises(RuntimeError) as raised:
+                comm.agree(world, error, "saving", quiet=True)
+            assert str(raised.value) == (f"saving failed on 1 of {group.size} ranks: "
+                                         f"rank {last}: ValueError: disk full")
+        else:
+            comm.quiet_barrier(world)
+        assert time.perf_counter() - started >= 0.05 * last
     comm.agree(world, None, "saving", quiet=True)     # nothing failed: returns on every rank
 
 

@@ -65,12 +65,14 @@ def test_ring_and_trace_hold_a_known_sequence(world, traced):
         comm.all_reduce(torch.ones(1), group.comm)
     assert len(trace.recent()) == trace.RECENT
     assert [op.nbytes for op in trace.recent()] == [4] * trace.RECENT
-    helper = threading.Thread(target=comm.broadcast, args=(torch.ones(5), group.comm),
-                              name="helper")   # 20 bytes, counted by another thread
-    helper.start()
-    helper.join()
-    assert trace.recent()[-1].thread == "helper"
-    assert trace.bytes_communicated() - before == 16 + 24 + 4 * size + 4 * (trace.RECENT + 3) + 20
+    for name, numel in (("helper", 5), ("second helper", 2)):   # the second starts after the
+        helper = threading.Thread(target=comm.broadcast,            # first has ended
+                                  args=(torch.ones(numel), group.comm), name=name)
+        helper.start()
+        helper.join()
+        assert trace.recent()[-1].thread == name
+    assert trace.bytes_communicated() - before == (16 + 24 + 4 * size + 4 * (trace.RECENT + 3)
+                                                   + 20 + 8)
 
     merged = trace.write(world)
     group.close()
@@ -79,7 +81,8 @@ def test_ring_and_trace_hold_a_known_sequence(world, traced):
     assert events[:5] == [("all_reduce", "X", 16), ("broadcast", "X", 24),
                           ("all_gather", "b", 4 * size), ("all_gather", "e", None),
                           ("local work", "X", 0)]
-    assert events[5:] == [("all_reduce", "X", 4)] * (trace.RECENT + 3) + [("broadcast", "X", 20)]
+    assert events[5:] == ([("all_reduce", "X", 4)] * (trace.RECENT + 3)
+                          + [("broadcast", "X", 20), ("broadcast", "X", 8)])
     if world.rank == 0:
         every = _timed(json.loads(merged.read_text())["traceEvents"])
         assert sorted({e["pid"] for e in every}) == list(range(world.size))

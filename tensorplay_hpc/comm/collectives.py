@@ -190,14 +190,15 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, comm: MPI.Intracomm,
     count = input.numel()
     spec = [memory(recv.work), count, recv.datatype]  # the count is per rank
     check_collective(comm, "all_gather", count=count, dtype=input.dtype)
+    requests = []
     record = trace.collective("all_gather", comm, output.nbytes, async_op)
     with watched("all_gather", comm), record:
-        if not async_op:
+        if async_op:
+            requests.append(comm.Iallgather(send.buf(), spec))
+        else:
             comm.Allgather(send.buf(), spec)
-            recv.finish()
-            return None
-        request = comm.Iallgather(send.buf(), spec)
-    return Work([request], recv.finish, [send], "all_gather", comm, record)
+    return complete(requests, recv.finish, async_op, keep=[send], operation="all_gather",
+                    comm=comm, record=record)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, comm: MPI.Intracomm,

@@ -40,14 +40,15 @@ class _ThreadState:
     """A thread's name, looked up once, and the bytes its operations have handed to MPI
     (counted by the thread alone, so without a lock)."""
 
-    __slots__ = ("name", "communicated")
+    __slots__ = ("thread", "name", "communicated")
 
-    def __init__(self, name: str) -> None:
-        self.name, self.communicated = name, 0
+    def __init__(self, thread: threading.Thread) -> None:
+        self.thread, self.name, self.communicated = thread, thread.name, 0
 
 
 _local = threading.local()
-_threads: List[_ThreadState] = []   # every thread's state, for the total
+_threads: List[_ThreadState] = []   # the states of the threads alive when the last one began
+_finished = [0]                      # the bytes of the threads that have ended since
 _threads_lock = threading.Lock()
 
 
@@ -55,9 +56,11 @@ def _thread_state() -> _ThreadState:
     try:
         return _local.state
     except AttributeError:
-        state = _local.state = _ThreadState(threading.current_thread().name)
-        with _threads_lock:
-            _threads.append(state)
+        state = _local.state = _ThreadState(threading.current_thread())
+        with _threads_lock:     # ended threads count no more: fold them into one total
+            ended = [s for s in _threads if not s.thread.is_alive()]
+            _finished[0] += sum(s.communicated for s in ended)
+            _threads[:] = [s for s in _threads if s not in ended] + [state]
         return state
 
 
@@ -123,7 +126,7 @@ def bytes_communicated() -> int:
     """Bytes of this rank's data handed to collectives and one-sided operations so far (the
     sizes that their trace entries record), by all threads, traced or not. Local."""
     with _threads_lock:
-        return sum(state.communicated for state in _threads)
+        return _finished[0] + sum(state.communicated for state in _threads)
 
 
 def collective(name: str, comm: MPI.Comm, nbytes: int, asynchronous: bool = False) -> Operation:
