@@ -91,10 +91,10 @@ when it waits inside MPI and yields, off its core for a piece's time (some 0.1 m
 scheduler's time slice."""
 
 
-def checksum(array: np.ndarray) -> int:
-    """CRC-32 of an array's raw bytes."""
+def checksum(array: np.ndarray, crc: int = 0) -> int:
+    """CRC-32 of an array's raw bytes; with ``crc``, that of bytes whose CRC-32 is ``crc``
+    followed by the array's."""
     data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-    crc = 0
     for start in range(0, data.size, CHECKSUM_PIECE_BYTES):
         crc = zlib.crc32(data[start:start + CHECKSUM_PIECE_BYTES], crc)
         os.sched_yield()

@@ -1,13 +1,15 @@
 """Writing a checkpoint file collectively, crash-safe.
 
-The ranks first agree on the whole layout (names, shapes, dtypes, checksums, attributes) in one
-small exchange of metadata. Rank 0 alone then lays out the file with serial h5py: every dataset
-(a few: small tensors share one per dtype, see :mod:`.catalog`) contiguous and allocated at
-once, the catalog and the root's attributes written, and it broadcasts where each dataset's
-bytes lie. Every rank then writes its own tensors' bytes there through MPI-IO, straight from
-their memory, one write per run of neighbouring tensors. Everything goes to a temporary file in
-the target folder, renamed over the target only after every rank has succeeded, so a crash or
-a full disk never touches the last good checkpoint.
+The ranks first agree on the whole layout (names, shapes, dtypes, attributes) in one small
+exchange of metadata. Rank 0 alone then lays out the file with serial h5py: every dataset (a few:
+small tensors share one per dtype, see :mod:`.catalog`) contiguous and allocated at once, the
+catalog and the root's attributes written but for the checksums, and it broadcasts where each
+dataset's bytes lie. Every rank then writes its own tensors' bytes there through MPI-IO, straight
+from their memory, one write per run of neighbouring tensors, taking each run's CRC-32 just
+before writing it (the bytes are then in the cache, and the disk starts on the file's data one
+pass over the data earlier); rank 0 gathers the checksums and writes them into the catalog last.
+Everything goes to a temporary file in the target folder, renamed over the target only after
+every rank has succeeded, so a crash or a full disk never touches the last good checkpoint.
 
 No HDF5 call waits for another rank, every MPI call releases Python's lock while it waits, and
 no communicator is created: a background save's thread never keeps the main thread's Python,
@@ -32,10 +34,12 @@ from tensorplay_hpc.comm.watchdog import watched
 
 from . import files
 from . import format as fmt
-from .catalog import DTYPE, NUMEL, OFFSET, Catalog, packed_dataset, stored_dtype
+from .catalog import COLUMNS, CRC, DTYPE, NUMEL, OFFSET, Catalog, packed_dataset, stored_dtype
 from .snapshot import Snapshot
 
 Arrays = List[Tuple[str, np.ndarray]]
+
+_COLUMNS_DTYPE = np.dtype("<i8")
 
 _WRITE_BYTES = 1 << 20
 """The most bytes one MPI-IO write carries; longer runs are split, and the thread offers its core
@@ -61,26 +65,53 @@ def _allocated() -> h5py.h5p.PropDCID:
     return dcpl
 
 
-def _lay_out(temporary: str, catalog: Catalog, root_attributes: dict) -> np.ndarray:
+def _lay_out(temporary: str, catalog: Catalog, root_attributes: dict) -> Tuple[np.ndarray, int]:
     """Rank 0: create the file, every dataset of ``catalog.datasets`` allocated and unwritten,
-    the catalog and the root's attributes written. Returns each dataset's byte offset in the
-    file, in ``catalog.datasets``' order (``-1`` for one without elements). Local."""
+    the catalog and the root's attributes written, but for the catalog's columns (they hold the
+    checksums), which are only allocated. Returns each dataset's byte offset in the file, in
+    ``catalog.datasets``' order (``-1`` for one without elements), and the columns' offset
+    (``-1`` when there are no tensors). Local."""
     offsets = np.full(len(catalog.datasets), -1, dtype=np.int64)
     end = 0
+
+    def allocate(f: h5py.File, name: str, shape: Tuple[int, ...], dtype: np.dtype) -> int:
+        nonlocal end
+        dataset = f.create_dataset(name, shape=shape, dtype=dtype, dcpl=_allocated())
+        offset = dataset.id.get_offset()
+        if offset is None:
+            return -1
+        end = max(end, offset + dataset.id.get_storage_size())
+        return offset
+
     with h5py.File(temporary, "w") as f:
         for i, (name, (shape, dtype)) in enumerate(catalog.datasets.items()):
-            dataset = f.create_dataset(name, shape=shape, dtype=dtype, dcpl=_allocated())
-            offset = dataset.id.get_offset()
-            if offset is not None:
-                offsets[i] = offset
-                end = max(end, offset + dataset.id.get_storage_size())
-        for name, array in catalog.encode().items():
+            offsets[i] = allocate(f, name, shape, dtype)
+        encoded = catalog.encode()
+        columns = encoded.pop(COLUMNS)
+        columns_offset = allocate(f, COLUMNS, columns.shape, _COLUMNS_DTYPE)
+        for name, array in encoded.items():
             f.create_dataset(name, data=np.ascontiguousarray(array))
         for key, value in root_attributes.items():
             f.attrs[key] = value
     if os.path.getsize(temporary) < end:     # HDF5 refuses a file shorter than its datasets
         os.truncate(temporary, end)
-    return offsets
+    return offsets, columns_offset
+
+
+def _write_columns(temporary: str, offset: int, catalog: Catalog, crcs: np.ndarray) -> None:
+    """Rank 0: put the checksums ``crcs`` into ``catalog`` and write its columns into their
+    place in the file (``offset``, as :func:`_lay_out` returns it). Local."""
+    catalog.columns[:, CRC] = crcs
+    if offset < 0:
+        return
+    data = np.ascontiguousarray(catalog.columns, dtype=_COLUMNS_DTYPE).tobytes()
+    fd = os.open(temporary, os.O_WRONLY)
+    try:
+        if os.pwrite(fd, data, offset) != len(data):
+            raise OSError(f"wrote fewer than {len(data)} bytes of the catalog at byte {offset} "
+                          "of the file (a full disk, a quota or a file-size limit?)")
+    finally:
+        os.close(fd)
 
 
 def _places(catalog: Catalog, rows: np.ndarray,
@@ -99,24 +130,26 @@ def _places(catalog: Catalog, rows: np.ndarray,
     return base + np.maximum(element, 0) * itemsize, numel * itemsize
 
 
-def _runs(catalog: Catalog, first_row: int, arrays: Arrays,
-          offsets: Dict[str, int]) -> Iterator[Tuple[int, List[np.ndarray], List[int]]]:
+def _runs(catalog: Catalog, first_row: int, arrays: Arrays, offsets: Dict[str, int]
+          ) -> Iterator[Tuple[int, List[np.ndarray], List[int], List[int]]]:
     """This rank's arrays (contiguous; catalog rows ``first_row`` on) grouped into writes:
-    ``(position, arrays, their bytes)``, the arrays lying back to back in the file from byte
-    ``position``, at most :data:`_WRITE_BYTES` in all (a longer array is split into byte
-    views)."""
+    ``(position, parts, their bytes, their arrays' indices)``, the parts lying back to back in
+    the file from byte ``position``, at most :data:`_WRITE_BYTES` in all (a longer array is
+    split into byte views, in order)."""
     positions, nbytes = _places(catalog, np.arange(first_row, first_row + len(arrays)), offsets)
-    kept = np.flatnonzero(nbytes)
-    parts = [arrays[i][1] for i in kept.tolist()]
-    positions, nbytes = positions[kept], nbytes[kept]
+    owners = np.flatnonzero(nbytes)
+    parts = [arrays[i][1] for i in owners.tolist()]
+    positions, nbytes = positions[owners], nbytes[owners]
     if (nbytes > _WRITE_BYTES).any():
-        split, where = [], []
-        for part, position in zip(parts, positions.tolist()):
+        split, where, whose = [], [], []
+        for part, position, owner in zip(parts, positions.tolist(), owners.tolist()):
             data = part.reshape(-1).view(np.uint8)
             for i in range(0, data.size, _WRITE_BYTES):
                 split.append(data[i:i + _WRITE_BYTES])
                 where.append(position + i)
+                whose.append(owner)
         parts, positions = split, np.array(where, dtype=np.int64)
+        owners = np.array(whose, dtype=np.int64)
         nbytes = np.array([part.nbytes for part in parts], dtype=np.int64)
     # Runs of parts that follow each other in the file, cut where the next would exceed the
     # bytes of one write.
@@ -129,7 +162,8 @@ def _runs(catalog: Catalog, first_row: int, arrays: Arrays,
             before = ends[first - 1] if first else 0
             last = min(int(np.searchsorted(ends, before + _WRITE_BYTES, side="right")), stop)
             last = max(last, first + 1)
-            yield int(positions[first]), parts[first:last], nbytes[first:last].tolist()
+            yield (int(positions[first]), parts[first:last], nbytes[first:last].tolist(),
+                   owners[first:last].tolist())
             first = last
 
 
@@ -159,20 +193,24 @@ def _write_run(handle: MPI.File, position: int, run: List[np.ndarray],
 
 
 def _write_own(temporary: str, catalog: Catalog, offsets: np.ndarray, first_row: int,
-               arrays: Arrays) -> None:
+               arrays: Arrays) -> np.ndarray:
     """Write this rank's arrays (catalog rows ``first_row`` on) where their datasets lie
-    (``offsets``, as :func:`_lay_out` returns them). Local: the file is opened by this rank
-    alone (an MPI-IO open on more ranks creates a communicator, which Open MPI does one at a
-    time per process, so it could wait for the main thread's), and only if it has values to
+    (``offsets``, as :func:`_lay_out` returns them), taking the CRC-32 of each run just before
+    writing it. Returns the arrays' checksums (``int64``). Local: the file is opened by this
+    rank alone (an MPI-IO open on more ranks creates a communicator, which Open MPI does one at
+    a time per process, so it could wait for the main thread's), and only if it has values to
     write."""
+    crcs = np.zeros(len(arrays), dtype=np.int64)
     runs = list(_runs(catalog, first_row, arrays, dict(zip(catalog.datasets, offsets.tolist()))))
     if not runs:
-        return
+        return crcs
     handle = MPI.File.Open(MPI.COMM_SELF, temporary, MPI.MODE_WRONLY)
     try:
         fd = os.open(temporary, os.O_WRONLY)     # to start each run's writeback at once
         try:
-            for position, run, lengths in runs:
+            for position, run, lengths, owners in runs:
+                for part, owner in zip(run, owners):
+                    crcs[owner] = fmt.checksum(part, int(crcs[owner]))
                 _write_run(handle, position, run, lengths)
                 files.start_writeback(fd, position, sum(lengths))
                 os.sched_yield()
@@ -180,37 +218,51 @@ def _write_own(temporary: str, catalog: Catalog, offsets: np.ndarray, first_row:
             os.close(fd)
     finally:
         handle.Close()
+    return crcs
 
 
 def _write(layout: Layout, comm: MPI.Intracomm, what: str) -> None:
-    """Rank 0 lays the file out, then every rank writes its arrays into it. Collective.
+    """Rank 0 lays the file out, then every rank writes its arrays into it, then rank 0 their
+    checksums. Collective.
 
     Raises:
         CheckpointError: on every rank, if any rank failed.
     """
     offsets = np.full(len(layout.catalog.datasets), -1, dtype=np.int64)
-    error = None
+    columns_offset, error = -1, None
     if comm.Get_rank() == 0:
         try:
-            offsets = _lay_out(layout.temporary, layout.catalog, layout.root_attributes)
+            offsets, columns_offset = _lay_out(layout.temporary, layout.catalog,
+                                               layout.root_attributes)
         except Exception as failure:
             error = failure
     with watched("checkpoint file layout", comm):
         agree(comm, error, what, fmt.CheckpointError, quiet=layout.background)
         comm.Bcast(offsets, root=0)
-    error = None
+    error, crcs = None, np.zeros(len(layout.arrays), dtype=np.int64)
     try:
-        _write_own(layout.temporary, layout.catalog, offsets, layout.first_row, layout.arrays)
+        crcs = _write_own(layout.temporary, layout.catalog, offsets, layout.first_row,
+                          layout.arrays)
     except Exception as failure:
         error = failure
     with watched("checkpoint file write (MPI-IO)", comm):
         agree(comm, error, what, fmt.CheckpointError, quiet=layout.background)
+        every = np.empty(len(layout.catalog.names), np.int64) if comm.Get_rank() == 0 else None
+        comm.Gatherv(crcs, None if every is None else [every, layout.rows, MPI.INT64_T], root=0)
+    error = None
+    if comm.Get_rank() == 0:
+        try:
+            _write_columns(layout.temporary, columns_offset, layout.catalog, every)
+        except Exception as failure:
+            error = failure
+    agree(comm, error, what, fmt.CheckpointError, quiet=layout.background)
 
 
 @dataclass
 class Layout:
-    """A save after :func:`plan`: the file's layout, agreed on every rank, and this rank's
-    arrays (contiguous), the catalog's rows ``first_row`` on; the temporary file exists (empty)
+    """A save after :func:`plan`: the file's layout, agreed on every rank (checksums not taken
+    yet), and this rank's arrays (contiguous), the catalog's rows ``first_row`` on, of the
+    ``rows`` each rank writes; the temporary file exists (empty)
     in the target folder. ``background``: the save runs on a background thread, which waits
     for the other ranks without spinning inside MPI
     (:func:`tensorplay_hpc.comm.quiet_barrier`)."""
@@ -221,13 +273,14 @@ class Layout:
     root_attributes: dict
     arrays: Arrays
     first_row: int
+    rows: List[int]
     background: bool
 
 
 def plan(path: str, snapshot: Snapshot, comm: MPI.Intracomm, keep: Optional[int] = None,
          background: bool = False) -> Layout:
-    """The first phase of a save: agree on the layout (every tensor's name, shape, dtype and
-    checksum, and the attributes) and create the temporary file. Collective; ``background``:
+    """The first phase of a save: agree on the layout (every tensor's name, shape and dtype,
+    and the attributes) and create the temporary file. Collective; ``background``:
     run by a background thread (see :class:`Layout`).
 
     Raises:
@@ -236,15 +289,14 @@ def plan(path: str, snapshot: Snapshot, comm: MPI.Intracomm, keep: Optional[int]
     path = os.path.abspath(path)
     rank = comm.Get_rank()
     what = f"saving checkpoint {path}"
-    error, arrays, layout = None, [], ([], [], [], [])
+    error, arrays, layout = None, [], ([], [], [])
     try:
         if keep is not None and keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
         for name, tensor in snapshot.datasets:
-            array = fmt.to_numpy(tensor)
-            arrays.append((name, array))
+            arrays.append((name, fmt.to_numpy(tensor)))
             for column, value in zip(layout, (name, tuple(tensor.shape),
-                                              fmt.dtype_name(tensor.dtype), fmt.checksum(array))):
+                                              fmt.dtype_name(tensor.dtype))):
                 column.append(value)
         if rank == 0:
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -253,8 +305,8 @@ def plan(path: str, snapshot: Snapshot, comm: MPI.Intracomm, keep: Optional[int]
     agree(comm, error, what, fmt.CheckpointError, quiet=background)
 
     gathered = comm.allgather((layout, snapshot.attributes))
-    names, shapes, dtypes, crcs = ([value for part, _ in gathered for value in part[c]]
-                                   for c in range(4))
+    names, shapes, dtypes = ([value for part, _ in gathered for value in part[c]]
+                             for c in range(3))
     attributes: Dict[str, dict] = {}
     for _, part in gathered:
         for node, attrs in part.items():
@@ -262,7 +314,8 @@ def plan(path: str, snapshot: Snapshot, comm: MPI.Intracomm, keep: Optional[int]
     if len(set(names)) != len(names):
         duplicate = next(n for n, count in Counter(names).items() if count > 1)
         raise fmt.CheckpointError(f"{what}: dataset {duplicate!r} is written by two ranks")
-    catalog = Catalog.lay_out(names, shapes, dtypes, crcs, attributes)
+    # The checksums are taken as each rank writes (see :func:`_write_own`).
+    catalog = Catalog.lay_out(names, shapes, dtypes, np.zeros(len(names), np.int64), attributes)
 
     temporary = comm.bcast(files.temporary_name(path) if rank == 0 else None, root=0)
     error = None
@@ -284,9 +337,9 @@ def plan(path: str, snapshot: Snapshot, comm: MPI.Intracomm, keep: Optional[int]
         if rank == 0:
             files.discard(temporary)
         raise
-    first_row = sum(len(part[0]) for part, _ in gathered[:rank])
-    return Layout(path, temporary, catalog, attributes.get("", {}), arrays, first_row,
-                  background)
+    rows = [len(part[0]) for part, _ in gathered]
+    return Layout(path, temporary, catalog, attributes.get("", {}), arrays, sum(rows[:rank]),
+                  rows, background)
 
 
 def write_data(layout: Layout, comm: MPI.Intracomm) -> Layout:
