@@ -16,7 +16,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from typing import Callable, List
+from typing import Callable
 
 import h5py
 import numpy as np
@@ -62,49 +62,56 @@ def _slowest(seconds: float, world: MPI.Intracomm) -> float:
 
 
 def _background_save(report: Report, folder: str, world: MPI.Intracomm, repeat: int) -> None:
-    """The stall of ``save_async`` against a blocking save of the same ZeRO-Adam state, and a
-    training step started right after it returns (so it runs during the background write)
-    against a step without one. Each sample is the slowest rank's; the medians are reported."""
+    """The stall of ``save_async`` against a blocking save of the same ZeRO-Adam state, and the
+    training steps taken back to back while the file is written in the background (until every
+    rank's write is done) against steps without one; the first step after the save returns is
+    also reported alone. Each sample is the slowest rank's; the medians are reported."""
     model = mlp()
     optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
     step = _training_step(model, optimizer)
     step()
+
+    def timed_step() -> float:
+        started = time.perf_counter()
+        step()
+        return _slowest(time.perf_counter() - started, world)
+
     path = os.path.join(folder, "async.h5")
-    samples: List[List[float]] = [[], [], [], [], []]
-    overlapped = 0      # samples whose write outlasted the step on every rank
+    blocking, stall, alone, during, first, write, spanned = [], [], [], [], [], [], []
     with checkpoint.AsyncCheckpointer(world) as checkpointer:
         for sample in range(repeat + 1):                      # the first is the warm-up
             world.Barrier()
             started = time.perf_counter()
             checkpoint.save(path, model, optimizer, process_group=world)
-            blocking = _slowest(time.perf_counter() - started, world)
+            blocking_s = _slowest(time.perf_counter() - started, world)
             world.Barrier()
-            started = time.perf_counter()
-            step()
-            alone = _slowest(time.perf_counter() - started, world)
+            alone_s = timed_step()
             world.Barrier()
             started = time.perf_counter()
             handle = checkpointer.save(path, model, optimizer)
-            stall = _slowest(time.perf_counter() - started, world)
-            started = time.perf_counter()
-            step()
-            during = _slowest(time.perf_counter() - started, world)
-            overlapped += sample and world.allreduce(not handle.done(), op=MPI.LAND)
+            stall_s = _slowest(time.perf_counter() - started, world)
+            steps = [timed_step()]
+            while not world.allreduce(handle.done(), op=MPI.LAND):
+                steps.append(timed_step())
             handle.wait()
             if sample:
-                for values, value in zip(samples, (blocking, stall, alone, during,
-                                                   _slowest(handle.write_seconds, world))):
-                    values.append(value)
+                blocking.append(blocking_s)
+                stall.append(stall_s)
+                alone.append(alone_s)
+                first.append(steps[0])
+                during.extend(steps)
+                spanned.append(len(steps))
+                write.append(_slowest(handle.write_seconds, world))
         host_bytes = world.allreduce(checkpointer.host_bytes)
     optimizer.close()
-    blocking_s, stall_s, alone_s, during_s, write_s = (
-        statistics.median(values) for values in samples)
+    median = statistics.median
     nbytes = os.path.getsize(path)
-    report.add("checkpoint", "async save stall (zero adam)", stall_s, "blocking-save", blocking_s,
-               nbytes=nbytes, background_write_s=write_s, host_buffer_bytes=host_bytes,
-               threaded=checkpointer.threaded)
-    report.add("checkpoint", "training step during async save", during_s, "training step",
-               alone_s, samples=len(samples[0]), write_outlasted_step=overlapped)
+    report.add("checkpoint", "async save stall (zero adam)", median(stall), "blocking-save",
+               median(blocking), nbytes=nbytes, background_write_s=median(write),
+               host_buffer_bytes=host_bytes, threaded=checkpointer.threaded)
+    report.add("checkpoint", "training step during async save", median(during), "training step",
+               median(alone), samples=len(during), steps_per_write=median(spanned),
+               first_step_after_save_s=round(median(first), 4))
 
 
 def _raw_write(path: str, nbytes: int, world: MPI.Intracomm, durable: bool = False):
