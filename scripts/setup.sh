@@ -65,12 +65,12 @@ if [ ! -x "$py" ]; then
     python3 -m venv "$venv"
 fi
 
-if ! "$py" -c "import torch, mpi4py, numpy, pytest, pytest_mpi, pytest_timeout, tqdm, matplotlib, \
-mkdocs, mkdocstrings_handlers.python" >/dev/null 2>&1; then
-    log "installing torch, mpi4py, numpy, the training job's tqdm and matplotlib, the test tools" \
-        "and mkdocs with mkdocstrings"
+if ! "$py" -c "import torch, mpi4py, numpy, isal, pytest, pytest_mpi, pytest_timeout, tqdm, \
+matplotlib, mkdocs, mkdocstrings_handlers.python" >/dev/null 2>mkdocs, mkdocstrings_handlers.python" >/dev/null 2>&1; then1; then
+    log "installing torch, mpi4py, numpy, isal (fast checksums), the training job's tqdm and" \
+        "matplotlib, the test tools and mkdocs with mkdocstrings"
     "$py" -m pip install -q --upgrade pip
-    "$py" -m pip install -q "torch==2.13.0" "mpi4py>=4" numpy tqdm matplotlib mkdocs \
+    "$py" -m pip install -q "torch==2.13.0" "mpi4py>=4" numpy isal tqdm matplotlib mkdocs \
         mkdocstrings mkdocstrings-python pytest pytest-mpi pytest-timeout cython pkgconfig \
         setuptools wheel
 fi

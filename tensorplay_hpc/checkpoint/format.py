@@ -28,11 +28,15 @@ from __future__ import annotations
 
 import functools
 import os
-import zlib
 from typing import Optional
 
 import numpy as np
 import torch
+
+try:   # the same CRC-32 as zlib's, with the processor's carry-less multiply: some 8x faster
+    from isal.isal_zlib import crc32
+except ImportError:
+    from zlib import crc32
 
 FORMAT = "tensorplay_hpc-checkpoint"
 FORMAT_VERSION = 4
@@ -96,7 +100,7 @@ def checksum(array: np.ndarray, crc: int = 0) -> int:
     followed by the array's."""
     data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
     for start in range(0, data.size, CHECKSUM_PIECE_BYTES):
-        crc = zlib.crc32(data[start:start + CHECKSUM_PIECE_BYTES], crc)
+        crc = crc32(data[start:start + CHECKSUM_PIECE_BYTES], crc)
         os.sched_yield()
     return crc & 0xFFFFFFFF
 

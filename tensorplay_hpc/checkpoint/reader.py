@@ -5,7 +5,6 @@ packed dataset in a few long stretches, however many there are."""
 from __future__ import annotations
 
 import os
-import zlib
 from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
 import h5py
@@ -167,7 +166,7 @@ class Reader:
 
     def _checked(self, name: str, values: np.ndarray, crc32: int) -> np.ndarray:
         self.bytes_read += values.nbytes
-        if zlib.crc32(values) != crc32:
+        if fmt.crc32(values) != crc32:
             raise fmt.CheckpointError(f"{self.path}: checksum mismatch in dataset {name!r}: the "
                                       "file is corrupted")
         return values
