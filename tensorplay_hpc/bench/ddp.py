@@ -130,9 +130,10 @@ def run(report: Report) -> None:
         local()
         world.Allreduce(MPI.IN_PLACE, [flat, MPI.FLOAT])
 
-    theirs = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(module))
     step_s = {}
     for bucket_view in (False, True):
+        theirs = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(module),
+                                                           gradient_as_bucket_view=bucket_view)
         with DistributedDataParallel(copy.deepcopy(module),
                                      gradient_as_bucket_view=bucket_view) as ours:
             ours_s, theirs_s, raw_s, local_s = compare(

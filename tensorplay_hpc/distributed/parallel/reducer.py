@@ -2,7 +2,12 @@
 
 Each parameter has a post-accumulate-grad hook. When it fires, the gradient is copied into its
 slot of a flat bucket buffer (nothing to copy when it already lives there); when every slot of a
-bucket is filled, the bucket's reduction starts while the backward pass goes on. Buckets start
+bucket is filled, the bucket's reduction starts while the backward pass goes on. Without
+``gradient_as_bucket_view`` and without a communication hook no bucket buffer is needed: the
+built-in reduction averages the bucket's gradients where they are
+(:func:`tensorplay_hpc.comm.all_reduce_coalesced`: a gradient of a piece or more in its own
+memory, smaller ones through a piece-sized staging buffer), which saves copying the whole model's
+gradients into the buckets and back. Buckets start
 strictly in index order, so every rank issues the same collectives in the same order whatever
 order its gradients arrive in. A callback queued on the autograd engine waits for all buckets when
 the backward pass ends and writes the averaged gradients back.
@@ -127,6 +132,7 @@ class Reducer:
         self._static_unused: Optional[List[int]] = None
         self._static_used: Optional[List[bool]] = None
         layout = assign_buckets(self.params, bucket_cap_bytes)
+        self._bucket_indices = layout
         self.buckets = [GradBucket(b, [self.params[i] for i in indices], b == len(layout) - 1)
                         for b, indices in enumerate(layout)]
         self._slot: List[Tuple[int, int]] = [(0, 0)] * len(self.params)
@@ -138,6 +144,10 @@ class Reducer:
         self.sync = True
         self.divisor: Optional[int] = None   # None: the group size
         self._shadow_buckets: Optional[List[GradBucket]] = None
+        self._shadow_gradients: Optional[List[List[torch.Tensor]]] = None
+        # Streamed reduction: what stands in for the gradient of a parameter that has none of
+        # its own in this pass (zeros, or a copy of a gradient left from an earlier pass).
+        self._stand_ins: Dict[int, torch.Tensor] = {}
         self._unused: Sequence[int] = ()
         self._used = [False] * len(self.params)   # locally, since the last synchronized pass
         self._reset()
@@ -209,7 +219,7 @@ class Reducer:
         if self._ready[index]:
             self._late.append(index)   # reported when the pass ends, on every rank
             return
-        self._mark_ready(index)
+        self._mark_ready(index, own=True)
         self._progress()
 
     def _late_gradients(self) -> List[str]:
@@ -227,18 +237,29 @@ class Reducer:
             kinds.setdefault(kind, []).append(self.names[index])
         return [f"{kind}: {names}" for kind, names in kinds.items()]
 
-    def _mark_ready(self, index: int) -> None:
-        """Put parameter ``index``'s gradient (zeros if it has none) into its bucket slot."""
+    @property
+    def streamed(self) -> bool:
+        """Whether the gradients are averaged where they are, without bucket buffers."""
+        return self._hook is None and not self.gradient_as_bucket_view
+
+    def _mark_ready(self, index: int, own: bool = False) -> None:
+        """Put parameter ``index``'s gradient (zeros if it has none) into its bucket slot;
+        ``own``: the gradient was computed in this pass (its hook fired)."""
         b, position = self._slot[index]
-        slot = self.buckets[b].flat.views[position]
         param = self.params[index]
         grad = param.grad
-        if grad is None:
-            slot.zero_()
-        elif grad.data_ptr() != slot.data_ptr():
-            slot.copy_(grad)
-            if self.gradient_as_bucket_view:
-                param.grad = slot
+        if self.streamed:
+            if not own:   # averaged in a stand-in, so an unused gradient stays as it was
+                self._stand_ins[index] = (torch.zeros_like(param) if grad is None
+                                          else grad.detach().clone())
+        else:
+            slot = self.buckets[b].flat.views[position]
+            if grad is None:
+                slot.zero_()
+            elif grad.data_ptr() != slot.data_ptr():
+                slot.copy_(grad)
+                if self.gradient_as_bucket_view:
+                    param.grad = slot
         self._ready[index] = True
         self._pending[b] -= 1
         while (self._next_bucket < len(self.buckets)
@@ -246,8 +267,21 @@ class Reducer:
             self._results.append(self._start(self.buckets[self._next_bucket]))
             self._next_bucket += 1
 
-    def _start(self, bucket: GradBucket) -> Any:
+    def _gradients(self, bucket: GradBucket) -> List[torch.Tensor]:
+        """The tensors a streamed reduction averages for ``bucket``: the parameters' own
+        gradients, or their stand-ins."""
+        found = []
+        for index in self._bucket_indices[bucket.index()]:
+            stand_in = self._stand_ins.get(index)
+            found.append(self.params[index].grad if stand_in is None else stand_in)
+        return found
+
+    def _start(self, bucket: GradBucket,
+               gradients: Optional[List[torch.Tensor]] = None) -> Any:
         with trace.caller(f"DDP bucket {bucket.index()}"):
+            if self.streamed:
+                return self.submit(self._gradients(bucket) if gradients is None else gradients,
+                                   self._reduce_gradients)
             if self._hook is not None:
                 return self._hook(self._hook_state, bucket)
             if self._worker is None:
@@ -255,7 +289,7 @@ class Reducer:
                 return BucketWork(bucket.buffer())
             return self._worker.submit(bucket.buffer(), self._reduce_on_thread)
 
-    def submit(self, tensor: torch.Tensor, reduce: Callable[[torch.Tensor], None]) -> Any:
+    def submit(self, tensor: Any, reduce: Callable[[Any], None]) -> Any:
         """Run ``reduce(tensor)``, blocking collectives, on the communication thread after the
         buckets' reductions already queued (right here below ``MPI_THREAD_MULTIPLE``); return
         a hook result for it. For hooks whose collectives are faster blocking. Local."""
@@ -276,18 +310,36 @@ class Reducer:
         wait_for_all(self.comm)   # the late ranks' backward passes keep their cores meanwhile
         self._reduce(buffer)
 
+    def _reduce_gradients(self, gradients: List[torch.Tensor]) -> None:
+        """The streamed reduction of one bucket's gradients, in place."""
+        if self._worker is not None:
+            wait_for_all(self.comm)
+        if self.divisor is None:
+            comm.all_reduce_coalesced(gradients, self.comm, comm.ReduceOp.AVG)
+        else:
+            comm.all_reduce_coalesced(gradients, self.comm, comm.ReduceOp.SUM)
+            torch._foreach_div_(gradients, self.divisor)
+
     def shadow_pass(self) -> None:
         """On a rank that has run out of inputs: the collectives of one synchronized backward
         pass, every bucket reduced with zero gradients (through the communication hook if one
         is registered), then the end-of-pass agreement; the parameters' gradients are left as
         they are. Raises the other ranks' error if their pass failed. Collective."""
-        if self._shadow_buckets is None:
-            self._shadow_buckets = [GradBucket(b.index(), b.parameters(), b.is_last())
-                                    for b in self.buckets]
         results = []
-        for bucket in self._shadow_buckets:
-            bucket.buffer().zero_()
-            results.append(self._start(bucket))
+        if self.streamed:
+            if self._shadow_gradients is None:
+                self._shadow_gradients = [[torch.zeros_like(p) for p in b.parameters()]
+                                          for b in self.buckets]
+            for bucket, zeros in zip(self.buckets, self._shadow_gradients):
+                torch._foreach_zero_(zeros)
+                results.append(self._start(bucket, zeros))
+        else:
+            if self._shadow_buckets is None:
+                self._shadow_buckets = [GradBucket(b.index(), b.parameters(), b.is_last())
+                                        for b in self.buckets]
+            for bucket in self._shadow_buckets:
+                bucket.buffer().zero_()
+                results.append(self._start(bucket))
         for result in results:
             result_tensor(result)
         failed, _ = self._agree_on_pass(False, [False] * len(self.params))
@@ -316,6 +368,8 @@ class Reducer:
             consumed = set()
             for bucket, result in zip(self.buckets, self._results):
                 reduced = result_tensor(result)
+                if self.streamed:
+                    continue
                 if getattr(result, "consumes_gradients", False):
                     consumed.add(bucket.index())
                 elif reduced.data_ptr() != bucket.buffer().data_ptr():
@@ -329,6 +383,7 @@ class Reducer:
                 self._write_back(used if self.find_unused_parameters else None, consumed)
         finally:
             self._used = [False] * len(self.params)
+            self._stand_ins = {}
             self._reset()
         if failed:
             error = RuntimeError("; ".join(problems)) if problems else None
@@ -358,8 +413,18 @@ class Reducer:
                 continue
             if used is not None and not used[index]:
                 continue   # unused everywhere: the gradient stays as it was, like PyTorch
-            slot = self.buckets[b].flat.views[position]
             grad = param.grad
+            if self.streamed:
+                stand_in = self._stand_ins.get(index)
+                if stand_in is None:
+                    continue   # averaged in place
+                if grad is None:
+                    param.grad = stand_in
+                else:
+                    targets.append(grad)
+                    sources.append(stand_in)
+                continue
+            slot = self.buckets[b].flat.views[position]
             if self.gradient_as_bucket_view:
                 if grad is None or grad.data_ptr() != slot.data_ptr():
                     param.grad = slot
