@@ -19,7 +19,7 @@ from .chunking import chunk_elements, chunks, piece_elements
 from .consistency import check_collective
 from .dtypes import ReduceOp, half_sum_op, is_half, reduce_dtype, reduce_op
 from .flat_buffer import group_by_dtype_device, pack_by_dtype_device
-from .staging import Staged, memory, needs_host_copy
+from .staging import Staged, direct_datatype, memory, needs_host_copy
 from .watchdog import watched
 from .work import Work, complete
 
@@ -185,18 +185,24 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, comm: MPI.Intracomm,
                          f"{size} x {input.numel()} (rank {comm.Get_rank()})")
     if output.numel() > chunk_elements() or input.dtype != output.dtype:
         return all_gather_v(output, [input.numel()] * size, comm, input, async_op)
-    send = Staged(input)
-    recv = Staged(output, copy_in=False)
-    count = input.numel()
-    spec = [memory(recv.work), count, recv.datatype]  # the count is per rank
+    count = input.numel()   # a receive count is per rank
+    datatype = None if async_op else direct_datatype(input)
+    if datatype is not None and direct_datatype(output) is datatype:   # the common case at once
+        send, recv = None, None
+        messages = [memory(input), count, datatype], [memory(output), count, datatype]
+    else:
+        send, recv = Staged(input), Staged(output, copy_in=False)
+        messages = send.buf(), [memory(recv.work), count, recv.datatype]
     check_collective(comm, "all_gather", count=count, dtype=input.dtype)
     requests = []
     record = trace.collective("all_gather", comm, output.nbytes, async_op)
     with watched("all_gather", comm), record:
         if async_op:
-            requests.append(comm.Iallgather(send.buf(), spec))
+            requests.append(comm.Iallgather(*messages))
         else:
-            comm.Allgather(send.buf(), spec)
+            comm.Allgather(*messages)
+    if recv is None:
+        return None
     return complete(requests, recv.finish, async_op, keep=[send], operation="all_gather",
                     comm=comm, record=record)
 

@@ -37,6 +37,13 @@ def memory(tensor: torch.Tensor, start: int = 0, count: Optional[int] = None) ->
     return MPI.buffer.fromaddress(address, count * size)
 
 
+def direct_datatype(tensor: torch.Tensor) -> Optional[MPI.Datatype]:
+    """The MPI datatype of a tensor MPI can take as it is (a contiguous CPU tensor of a dtype MPI
+    knows), else ``None``: such a tensor needs no :class:`Staged`."""
+    datatype = NATIVE.get(tensor.dtype) if tensor.is_cpu else None
+    return datatype if datatype is not None and tensor.is_contiguous() else None
+
+
 class Staged:
     """A tensor made ready for MPI.
 
@@ -54,8 +61,8 @@ class Staged:
         self.tensor = tensor
         dtype = tensor.dtype
         # The common case at once: a contiguous CPU tensor of a dtype MPI knows goes as it is.
-        self.datatype: MPI.Datatype = NATIVE.get(dtype) if tensor.is_cpu else None
-        if self.datatype is not None and tensor.is_contiguous():
+        self.datatype: MPI.Datatype = direct_datatype(tensor)
+        if self.datatype is not None:
             self.work, self.staged = tensor, False
             return
         if tensor.is_sparse:
