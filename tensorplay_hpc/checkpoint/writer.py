@@ -261,11 +261,10 @@ def _write(layout: Layout, comm: MPI.Intracomm, what: str) -> None:
 @dataclass
 class Layout:
     """A save after :func:`plan`: the file's layout, agreed on every rank (checksums not taken
-    yet), and this rank's arrays (contiguous), the catalog's rows ``first_row`` on, of the
-    ``rows`` each rank writes; the temporary file exists (empty)
-    in the target folder. ``background``: the save runs on a background thread, which waits
-    for the other ranks without spinning inside MPI
-    (:func:`tensorplay_hpc.comm.quiet_barrier`)."""
+    yet), and this rank's arrays (contiguous), the catalog's rows ``first_row`` on (``rows[r]``
+    of them are rank ``r``'s); the temporary file exists (empty) in the target folder.
+    ``background``: the save runs on a background thread, which waits for the other ranks
+    without spinning inside MPI (:func:`tensorplay_hpc.comm.quiet_barrier`)."""
 
     path: str
     temporary: str

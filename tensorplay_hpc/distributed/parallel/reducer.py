@@ -2,15 +2,16 @@
 
 Each parameter has a post-accumulate-grad hook. When it fires, the gradient is copied into its
 slot of a flat bucket buffer (nothing to copy when it already lives there); when every slot of a
-bucket is filled, the bucket's reduction starts while the backward pass goes on. Without
-``gradient_as_bucket_view`` and without a communication hook no bucket buffer is needed: the
-built-in reduction averages the bucket's gradients where they are
-(:func:`tensorplay_hpc.comm.all_reduce_coalesced`: a gradient of a piece or more in its own
-memory, smaller ones through a piece-sized staging buffer), which saves copying the whole model's
-gradients into the buckets and back. Buckets start
+bucket is filled, the bucket's reduction starts while the backward pass goes on. Buckets start
 strictly in index order, so every rank issues the same collectives in the same order whatever
 order its gradients arrive in. A callback queued on the autograd engine waits for all buckets when
 the backward pass ends and writes the averaged gradients back.
+
+Without ``gradient_as_bucket_view`` and without a communication hook no bucket buffer is needed:
+the built-in reduction averages a bucket's gradients where they are
+(:func:`tensorplay_hpc.comm.all_reduce_coalesced`: a gradient of a piece or more in its own
+memory, smaller ones through a piece-sized staging buffer), which saves copying every gradient
+into the buckets and back.
 
 What goes wrong on one rank only (a parameter without a gradient there, a gradient arriving twice)
 must not leave the other ranks waiting: the missing gradients count as zeros, so every bucket is
