@@ -66,7 +66,7 @@ if [ ! -x "$py" ]; then
 fi
 
 if ! "$py" -c "import torch, mpi4py, numpy, isal, pytest, pytest_mpi, pytest_timeout, tqdm, \
-matplotlib, mkdocs, mkdocstrings_handlers.python" >/dev/null 2>mkdocs, mkdocstrings_handlers.python" >/dev/null 2>&1; then1; then
+matplotlib, mkdocs, mkdocstrings_handlers.python" >/dev/null 2>&1; then
     log "installing torch, mpi4py, numpy, isal (fast checksums), the training job's tqdm and" \
         "matplotlib, the test tools and mkdocs with mkdocstrings"
     "$py" -m pip install -q --upgrade pip
