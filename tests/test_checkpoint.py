@@ -296,6 +296,27 @@ def test_a_write_cut_short_on_one_rank_is_the_same_error_on_every_rank(folder, m
     assert checkpoint.load(path, make_model(seed=5))["step"] == 1
 
 
+def test_a_failed_write_of_the_checksums_is_the_same_error_on_every_rank(folder, monkeypatch):
+    """Rank 0 writes the catalog's checksums last, after every rank's data: a failure there
+    still reaches every rank, and the previous checkpoint stays as it was."""
+    model = make_model()
+    path = os.path.join(folder, "columns.h5")
+    checkpoint.save(path, model, extra={"step": 1})
+    before = open(path, "rb").read() if WORLD.Get_rank() == 0 else None
+    monkeypatch.setattr("tensorplay_hpc.checkpoint.writer.os.pwrite", lambda fd, data, at: 8)
+    with pytest.raises(checkpoint.CheckpointError) as raised:
+        checkpoint.save(path, model, extra={"step": 2})
+    assert re.fullmatch(
+        f"saving checkpoint {path} failed on 1 of {WORLD.Get_size()} ranks: rank 0: "
+        r"OSError: wrote 8 of \d+ bytes at byte \d+ of the file \(a full disk, a quota "
+        r"or a file-size limit\?\)", str(raised.value)), str(raised.value)
+    WORLD.Barrier()
+    if WORLD.Get_rank() == 0:
+        assert open(path, "rb").read() == before
+        assert [n for n in os.listdir(folder) if ".tmp-" in n] == []
+    assert checkpoint.load(path, make_model(seed=5))["step"] == 1
+
+
 def corrupt(path, name, offset=0):
     """Flip the bits of byte ``offset`` of tensor ``name``'s values in the file."""
     with checkpoint.Reader(path) as reader:

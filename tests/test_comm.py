@@ -270,7 +270,8 @@ def test_coalesced_streams_pieces(group, setting, monkeypatch, async_op):
     r = float(group.rank)
     tensors = [torch.full((5,), r), torch.arange(40.) + r, torch.full((7,), 2 * r),
                torch.full((9,), r), torch.empty(0), (torch.arange(60.) + r).view(6, 10).t(),
-               (torch.arange(50.) + r).to(torch.bfloat16), torch.full((3,), r, dtype=torch.bfloat16)]
+               (torch.arange(50.) + r).to(torch.bfloat16), torch.full((3,), r, dtype=torch.bfloat16),
+               torch.full((14,), r)]
     storages = [t.data_ptr() for t in tensors]
     calls = []
     real = collectives.all_reduce
@@ -282,10 +283,11 @@ def test_coalesced_streams_pieces(group, setting, monkeypatch, async_op):
     work = comm.all_reduce_coalesced(tensors, group.comm, ReduceOp.AVG, async_op=async_op)
     if async_op:
         work.wait()
-        assert calls == [(121, False), (53, False)]      # one flat buffer per dtype
+        assert calls == [(135, False), (53, False)]      # one flat buffer per dtype
     else:   # float32: 40 in place; 5 + 7 packed; 60 (transposed) given whole to all_reduce,
-        # which stages it; 9 + 0 packed. bfloat16: 50 through the piece, 16 at a time; 3 packed
-        assert calls == [(40, True), (12, False), (60, True), (9, False),
+        # which stages it; 9 + 0 packed; 14 alone in its piece, in place. bfloat16: 50 through
+        # the piece, 16 at a time; 3 packed (converted to float32)
+        assert calls == [(40, True), (12, False), (60, True), (9, False), (14, True),
                          (16, False), (16, False), (16, False), (2, False), (3, False)]
     mean = (group.size - 1) / 2
     assert tensors[0].tolist() == [mean] * 5
@@ -295,6 +297,7 @@ def test_coalesced_streams_pieces(group, setting, monkeypatch, async_op):
     assert tensors[5].tolist() == (torch.arange(60.) + mean).view(6, 10).t().tolist()
     assert tensors[6].tolist() == (torch.arange(50.) + mean).to(torch.bfloat16).tolist()
     assert tensors[7].tolist() == [mean] * 3
+    assert tensors[8].tolist() == [mean] * 14
     assert [t.data_ptr() for t in tensors] == storages
 
 

@@ -107,11 +107,17 @@ def _write_columns(temporary: str, offset: int, catalog: Catalog, crcs: np.ndarr
     data = np.ascontiguousarray(catalog.columns, dtype=_COLUMNS_DTYPE).tobytes()
     fd = os.open(temporary, os.O_WRONLY)
     try:
-        if os.pwrite(fd, data, offset) != len(data):
-            raise OSError(f"wrote fewer than {len(data)} bytes of the catalog at byte {offset} "
-                          "of the file (a full disk, a quota or a file-size limit?)")
+        _check_written(os.pwrite(fd, data, offset), len(data), offset)
     finally:
         os.close(fd)
+
+
+def _check_written(written: int, nbytes: int, position: int) -> None:
+    """Raise if a write of ``nbytes`` at byte ``position`` wrote only ``written``: how MPI-IO
+    (and ``pwrite``, once some bytes fit) reports a full disk or a file-size limit."""
+    if written != nbytes:
+        raise OSError(f"wrote {written} of {nbytes} bytes at byte {position} of the file (a "
+                      "full disk, a quota or a file-size limit?)")
 
 
 def _places(catalog: Catalog, rows: np.ndarray,
@@ -183,13 +189,10 @@ def _write_run(handle: MPI.File, position: int, run: List[np.ndarray],
     try:
         status = MPI.Status()
         handle.Write_at(position, message, status)
-        written = status.Get_count(MPI.BYTE)
     finally:
         if datatype is not None:
             datatype.Free()
-    if written != nbytes:    # how Open MPI's MPI-IO reports a full disk or a file-size limit
-        raise OSError(f"wrote {written} of {nbytes} bytes at byte {position} of the file (a "
-                      "full disk, a quota or a file-size limit?)")
+    _check_written(status.Get_count(MPI.BYTE), nbytes, position)
 
 
 def _write_own(temporary: str, catalog: Catalog, offsets: np.ndarray, first_row: int,

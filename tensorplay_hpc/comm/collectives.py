@@ -301,7 +301,8 @@ def all_reduce_coalesced(tensors: Sequence[torch.Tensor], comm: MPI.Intracomm,
     Blocking, the tensors stream through MPI a piece (:mod:`.chunking`) at a time, each byte
     copied while it is in cache: a tensor of a piece or more is reduced in its own memory (16-bit
     floats through a float32 piece); smaller ones are packed, a piece's worth at a time, into one
-    reused staging buffer per dtype and device. Nonblocking, each dtype and device travels in one
+    reused staging buffer per dtype and device (one alone in its piece needs no packing when MPI
+    can reduce it where it is). Nonblocking, each dtype and device travels in one
     flat buffer and one collective. Which calls are made depends only on the tensors' sizes and
     dtypes, so ranks holding equal shapes make the same calls.
     """
@@ -334,6 +335,9 @@ def _stream_reduce(tensors: List[torch.Tensor], comm: MPI.Intracomm, op: ReduceO
     count = 0
 
     def through_stage(parts: List[torch.Tensor], n: int) -> None:
+        if len(parts) == 1 and parts[0].dtype == work_dtype and parts[0].is_contiguous():
+            all_reduce(parts[0], comm, op)
+            return
         views = _unflatten_dense_tensors(stage[:n], parts)
         torch._foreach_copy_(views, parts)
         all_reduce(stage[:n], comm, op)

@@ -279,16 +279,16 @@ class Reducer:
 
     def _start(self, bucket: GradBucket,
                gradients: Optional[List[torch.Tensor]] = None) -> Any:
+        """Start ``bucket``'s reduction: its hook's, else the built-in one of its buffer or
+        (streamed) of its ``gradients`` (by default the parameters')."""
         with trace.caller(f"DDP bucket {bucket.index()}"):
-            if self.streamed:
-                return self.submit(self._gradients(bucket) if gradients is None else gradients,
-                                   self._reduce_gradients)
             if self._hook is not None:
                 return self._hook(self._hook_state, bucket)
-            if self._worker is None:
-                self._reduce(bucket.buffer())
-                return BucketWork(bucket.buffer())
-            return self._worker.submit(bucket.buffer(), self._reduce_on_thread)
+            if not self.streamed:
+                gradients = [bucket.buffer()]
+            elif gradients is None:
+                gradients = self._gradients(bucket)
+            return self.submit(gradients, self._reduce)
 
     def submit(self, tensor: Any, reduce: Callable[[Any], None]) -> Any:
         """Run ``reduce(tensor)``, blocking collectives, on the communication thread after the
@@ -299,27 +299,17 @@ class Reducer:
             return BucketWork(tensor)
         return self._worker.submit(tensor, reduce)
 
-    def _reduce(self, buffer: torch.Tensor) -> None:
+    def _reduce(self, tensors: List[torch.Tensor]) -> None:
+        """The built-in reduction of one bucket (its buffer, or its gradients where they are),
+        in place."""
+        if self._worker is not None:
+            wait_for_all(self.comm)   # the late ranks' backward passes keep their cores meanwhile
         if self.divisor is None:
             # Each piece is divided right after its sum, while it is still in the cache.
-            comm.all_reduce(buffer, self.comm, comm.ReduceOp.AVG)
+            comm.all_reduce_coalesced(tensors, self.comm, comm.ReduceOp.AVG)
         else:
-            comm.all_reduce(buffer, self.comm, comm.ReduceOp.SUM)
-            buffer.div_(self.divisor)
-
-    def _reduce_on_thread(self, buffer: torch.Tensor) -> None:
-        wait_for_all(self.comm)   # the late ranks' backward passes keep their cores meanwhile
-        self._reduce(buffer)
-
-    def _reduce_gradients(self, gradients: List[torch.Tensor]) -> None:
-        """The streamed reduction of one bucket's gradients, in place."""
-        if self._worker is not None:
-            wait_for_all(self.comm)
-        if self.divisor is None:
-            comm.all_reduce_coalesced(gradients, self.comm, comm.ReduceOp.AVG)
-        else:
-            comm.all_reduce_coalesced(gradients, self.comm, comm.ReduceOp.SUM)
-            torch._foreach_div_(gradients, self.divisor)
+            comm.all_reduce_coalesced(tensors, self.comm, comm.ReduceOp.SUM)
+            torch._foreach_div_(tensors, self.divisor)
 
     def shadow_pass(self) -> None:
         """On a rank that has run out of inputs: the collectives of one synchronized backward
