@@ -285,15 +285,7 @@ def test_a_write_cut_short_on_one_rank_is_the_same_error_on_every_rank(folder, m
             checkpoint.save(path, model, extra={"step": 2, "pad": torch.ones(2**18)})
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, limits)
-    assert re.fullmatch(
-        f"saving checkpoint {path} failed on 1 of {WORLD.Get_size()} ranks: rank {last}: "
-        r"OSError: wrote \d+ of \d+ bytes at byte \d+ of the file \(a full disk, a quota "
-        r"or a file-size limit\?\)", str(raised.value)), str(raised.value)
-    WORLD.Barrier()
-    if WORLD.Get_rank() == 0:
-        assert open(path, "rb").read() == before
-        assert [n for n in os.listdir(folder) if ".tmp-" in n] == []
-    assert checkpoint.load(path, make_model(seed=5))["step"] == 1
+    _assert_short_write_left_the_file(raised.value, path, before, last, r"\d+")
 
 
 def test_a_failed_write_of_the_checksums_is_the_same_error_on_every_rank(folder, monkeypatch):
@@ -306,14 +298,21 @@ def test_a_failed_write_of_the_checksums_is_the_same_error_on_every_rank(folder,
     monkeypatch.setattr("tensorplay_hpc.checkpoint.writer.os.pwrite", lambda fd, data, at: 8)
     with pytest.raises(checkpoint.CheckpointError) as raised:
         checkpoint.save(path, model, extra={"step": 2})
+    _assert_short_write_left_the_file(raised.value, path, before, 0, "8")
+
+
+def _assert_short_write_left_the_file(error, path, before, rank, written):
+    """``error`` reports a write cut short on ``rank`` (``written`` bytes, a regex) and the save
+    left the checkpoint at ``path`` as it was (``before``, rank 0's bytes), with no temporary
+    file, and loadable (its step is 1). Collective."""
     assert re.fullmatch(
-        f"saving checkpoint {path} failed on 1 of {WORLD.Get_size()} ranks: rank 0: "
-        r"OSError: wrote 8 of \d+ bytes at byte \d+ of the file \(a full disk, a quota "
-        r"or a file-size limit\?\)", str(raised.value)), str(raised.value)
+        f"saving checkpoint {path} failed on 1 of {WORLD.Get_size()} ranks: rank {rank}: "
+        f"OSError: wrote {written} of \\d+ bytes at byte \\d+ of the file \\(a full disk, "
+        r"a quota or a file-size limit\?\)", str(error)), str(error)
     WORLD.Barrier()
     if WORLD.Get_rank() == 0:
         assert open(path, "rb").read() == before
-        assert [n for n in os.listdir(folder) if ".tmp-" in n] == []
+        assert [n for n in os.listdir(os.path.dirname(path)) if ".tmp-" in n] == []
     assert checkpoint.load(path, make_model(seed=5))["step"] == 1
 
 
