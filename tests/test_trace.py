@@ -91,6 +91,24 @@ def test_ring_and_trace_hold_a_known_sequence(world, traced):
         assert merged is None
 
 
+def test_without_watchdog_or_trace_operations_are_counted_not_recorded(world, monkeypatch):
+    monkeypatch.setattr(trace, "_recording", False)   # as in a process that never watched
+    monkeypatch.setattr(trace, "_ring_kept", False)
+    group = comm.ProcessGroup()
+    before, ring = trace.bytes_communicated(), trace.recent()
+    comm.all_reduce(torch.ones(4), group.comm)
+    comm.all_gather(torch.empty(3 * group.size), torch.ones(3), group.comm, async_op=True).wait()
+    with trace.span("local work"):
+        pass
+    assert trace.recent() == ring
+    assert trace.bytes_communicated() - before == 16 + 12 * group.size
+    group.close()
+    trace.keep_recent()     # what the watchdog does when it starts watching
+    assert trace._recording
+    comm.broadcast(torch.ones(2), world)
+    assert [(op.name, op.nbytes) for op in trace.recent()[-1:]] == [("broadcast", 8)]
+
+
 @pytest.mark.mpi(min_size=2)
 def test_write_refuses_a_trace_on_some_ranks_only(world, folder):
     if world.rank == 0:
@@ -105,7 +123,8 @@ def test_write_refuses_a_trace_on_some_ranks_only(world, folder):
 
 
 @pytest.mark.parametrize("transport", ["shared", "mpi", "served"])
-def test_one_sided_operations_are_recorded_with_their_epoch(world, monkeypatch, transport):
+def test_one_sided_operations_are_recorded_with_their_epoch(world, monkeypatch, traced,
+                                                             transport):
     if transport == "served" and world.size == 1:
         pytest.skip("a served window reads its own rank's memory without a message")
     if transport == "shared" and not capabilities.within_one_node(world):

@@ -27,8 +27,9 @@ def bus_factor(case: str, ranks: int) -> float:
 
 
 def _cases(group: comm.ProcessGroup, raw: MPI.Intracomm, nbytes: int):
-    """For each collective: (name, ours, raw mpi4py, gloo), each a no-argument callable."""
-    size = group.size
+    """For each collective: (name, ours, raw mpi4py, gloo), each a no-argument callable; ours and
+    raw mpi4py each call their own communicator, both looked up beforehand."""
+    size, ours = group.size, group.comm
     n = nbytes // 4
     part = n // size
     t = torch.ones(n)
@@ -38,15 +39,15 @@ def _cases(group: comm.ProcessGroup, raw: MPI.Intracomm, nbytes: int):
     g_outs = [torch.empty(part) for _ in range(size)]
     return [
         ("allreduce",
-         lambda: comm.all_reduce(t, group.comm),
+         lambda: comm.all_reduce(t, ours),
          lambda: raw.Allreduce(MPI.IN_PLACE, a),
          lambda: dist.all_reduce(t)),
         ("allgather",
-         lambda: comm.all_gather(out, mine, group.comm),
+         lambda: comm.all_gather(out, mine, ours),
          lambda: raw.Allgather(a_mine, a_out),
          lambda: dist.all_gather(g_outs, mine)),
         ("broadcast",
-         lambda: comm.broadcast(t, group.comm, 0),
+         lambda: comm.broadcast(t, ours, 0),
          lambda: raw.Bcast(a, 0),
          lambda: dist.broadcast(t, 0)),
     ]
@@ -68,8 +69,9 @@ def run(report: Report) -> None:
 
     small = [torch.ones(100 + i % 7) for i in range(SMALL_TENSORS)]
     nbytes = sum(t.numel() * 4 for t in small)
-    flat_s, each_s = compare([lambda: comm.all_reduce_coalesced(small, group.comm),
-                              lambda: [comm.all_reduce(t, group.comm) for t in small]],
+    c = group.comm
+    flat_s, each_s = compare([lambda: comm.all_reduce_coalesced(small, c),
+                              lambda: [comm.all_reduce(t, c) for t in small]],
                              report.repeat)
     report.add("comm", f"allreduce {SMALL_TENSORS} small tensors", flat_s, "one call per tensor",
                each_s, nbytes=nbytes)

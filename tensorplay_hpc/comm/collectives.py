@@ -16,7 +16,7 @@ from torch._utils import _unflatten_dense_tensors
 
 from . import trace
 from .chunking import chunk_elements, chunks, piece_elements
-from .consistency import check_collective
+from .consistency import check_collective, debug_enabled
 from .dtypes import ReduceOp, half_sum_op, is_half, reduce_dtype, reduce_op
 from .flat_buffer import group_by_dtype_device, pack_by_dtype_device
 from .staging import Staged, direct_datatype, memory, needs_host_copy
@@ -65,10 +65,11 @@ def all_reduce(tensor: torch.Tensor, comm: MPI.Intracomm, op: ReduceOp = ReduceO
     mpi_op = half_sum_op(tensor.dtype) if in_half else reduce_op(work.dtype, op)
     average = op is ReduceOp.AVG
     size = comm.Get_size()
-    check_collective(comm, "all_reduce", count=staged.count, dtype=tensor.dtype, op=op)
+    if debug_enabled():   # tested here, since a call costs as much as a small collective
+        check_collective(comm, "all_reduce", count=staged.count, dtype=tensor.dtype, op=op)
     requests = []
     record = trace.collective("all_reduce", comm, tensor.nbytes, async_op)
-    with watched("all_reduce", comm), record:
+    with watched("all_reduce", comm, record):
         if async_op:
             for start, n in chunks(staged.count):
                 requests.append(comm.Iallreduce(MPI.IN_PLACE, staged.buf(start, n), mpi_op))
@@ -95,11 +96,12 @@ def reduce(tensor: torch.Tensor, comm: MPI.Intracomm, root: int,
     is_root = comm.Get_rank() == root
     staged = Staged(tensor, reduce=True)
     mpi_op = reduce_op(staged.work.dtype, op)
-    check_collective(comm, "reduce", count=staged.count, dtype=tensor.dtype, op=op,
-                     root=root)
+    if debug_enabled():
+        check_collective(comm, "reduce", count=staged.count, dtype=tensor.dtype, op=op,
+                         root=root)
     requests = []
     record = trace.collective("reduce", comm, tensor.nbytes, async_op)
-    with watched("reduce", comm), record:
+    with watched("reduce", comm, record):
         for start, n in chunks(staged.count):
             send, receive = ((MPI.IN_PLACE, staged.buf(start, n)) if is_root
                              else (staged.buf(start, n), None))
@@ -121,10 +123,11 @@ def broadcast(tensor: torch.Tensor, comm: MPI.Intracomm, root: int = 0,
               async_op: bool = False) -> Optional[Work]:
     """Copy ``tensor`` from rank ``root`` into ``tensor`` on every other rank."""
     staged = Staged(tensor, copy_in=comm.Get_rank() == root)
-    check_collective(comm, "broadcast", count=staged.count, dtype=tensor.dtype, root=root)
+    if debug_enabled():
+        check_collective(comm, "broadcast", count=staged.count, dtype=tensor.dtype, root=root)
     requests = []
     record = trace.collective("broadcast", comm, tensor.nbytes, async_op)
-    with watched("broadcast", comm), record:
+    with watched("broadcast", comm, record):
         for start, n in chunks(staged.count):
             if async_op:
                 requests.append(comm.Ibcast(staged.buf(start, n), root))
@@ -154,10 +157,11 @@ def all_gather_v(output: torch.Tensor, counts: Sequence[int], comm: MPI.Intracom
     staged = Staged(output, copy_in=input is None)
     if input is not None:
         staged.work.view(-1)[displs[rank]:displs[rank] + counts[rank]].copy_(input.reshape(-1))
-    check_collective(comm, "all_gather_v", counts=counts, dtype=output.dtype)
+    if debug_enabled():
+        check_collective(comm, "all_gather_v", counts=counts, dtype=output.dtype)
     requests = []
     record = trace.collective("all_gather_v", comm, output.nbytes, async_op)
-    with watched("all_gather_v", comm), record:
+    with watched("all_gather_v", comm, record):
         if staged.count <= chunk_elements():
             spec = [staged.buf()[0], (counts, displs), staged.datatype]
             if async_op:
@@ -180,23 +184,25 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, comm: MPI.Intracomm,
                async_op: bool = False) -> Optional[Work]:
     """Concatenate equal-sized ``input`` tensors from every rank into ``output``, in rank order."""
     size = comm.Get_size()
-    if output.numel() != size * input.numel():
-        raise ValueError(f"all_gather: output has {output.numel()} elements, expected "
-                         f"{size} x {input.numel()} (rank {comm.Get_rank()})")
-    if output.numel() > chunk_elements() or input.dtype != output.dtype:
-        return all_gather_v(output, [input.numel()] * size, comm, input, async_op)
-    count = input.numel()   # a receive count is per rank
+    count, total = input.numel(), output.numel()   # a receive count is per rank
+    if total != size * count:
+        raise ValueError(f"all_gather: output has {total} elements, expected "
+                         f"{size} x {count} (rank {comm.Get_rank()})")
+    dtype = input.dtype
+    if total > chunk_elements() or dtype != output.dtype:
+        return all_gather_v(output, [count] * size, comm, input, async_op)
     datatype = None if async_op else direct_datatype(input)
-    if datatype is not None and direct_datatype(output) is datatype:   # the common case at once
+    if datatype is not None and output.is_cpu and output.is_contiguous():  # the common case
         send, recv = None, None
         messages = [memory(input), count, datatype], [memory(output), count, datatype]
     else:
         send, recv = Staged(input), Staged(output, copy_in=False)
         messages = send.buf(), [memory(recv.work), count, recv.datatype]
-    check_collective(comm, "all_gather", count=count, dtype=input.dtype)
+    if debug_enabled():
+        check_collective(comm, "all_gather", count=count, dtype=dtype)
     requests = []
     record = trace.collective("all_gather", comm, output.nbytes, async_op)
-    with watched("all_gather", comm), record:
+    with watched("all_gather", comm, record):
         if async_op:
             requests.append(comm.Iallgather(*messages))
         else:
@@ -226,10 +232,11 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, comm: MPI.Intracom
     send = Staged(input, reduce=True)
     recv = Staged(output, reduce=True, copy_in=False)
     mpi_op = reduce_op(send.work.dtype, op)
-    check_collective(comm, "reduce_scatter", counts=counts, dtype=input.dtype, op=op)
+    if debug_enabled():
+        check_collective(comm, "reduce_scatter", counts=counts, dtype=input.dtype, op=op)
     requests = []
     record = trace.collective("reduce_scatter", comm, input.nbytes, async_op)
-    with watched("reduce_scatter", comm), record:
+    with watched("reduce_scatter", comm, record):
         if send.count <= chunk_elements():
             if async_op:
                 requests.append(comm.Ireduce_scatter(send.buf(), recv.buf(), counts, mpi_op))
@@ -276,9 +283,10 @@ def gather(input: torch.Tensor, comm: MPI.Intracomm, root: int = 0,
     if rank == root:
         recv = Staged(torch.empty(sum(counts), dtype=input.dtype, device=input.device),
                       copy_in=False)
-    check_collective(comm, "gather", counts=counts, dtype=input.dtype, root=root)
+    if debug_enabled():
+        check_collective(comm, "gather", counts=counts, dtype=input.dtype, root=root)
     record = trace.collective("gather", comm, input.nbytes)
-    with watched("gather", comm), record:
+    with watched("gather", comm, record):
         if sum(counts) <= chunk_elements():
             spec = [recv.buf()[0], (counts, displs), recv.datatype] if recv else None
             comm.Gatherv(send.buf(), spec, root)

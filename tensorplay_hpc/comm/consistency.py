@@ -74,8 +74,7 @@ def check_consistent(comm: MPI.Intracomm, what: str, items: Sequence[Item]) -> N
 
 
 def check_collective(comm: MPI.Intracomm, collective: str, **arguments: Any) -> None:
-    """In debug mode only: check that every rank enters the same collective with the same
-    arguments (sizes, dtype, root...)."""
-    if debug_enabled():
-        check_consistent(comm, f"collective {collective}",
-                         sorted((key, str(value)) for key, value in arguments.items()))
+    """Check that every rank enters the same collective with the same arguments (sizes, dtype,
+    root...); called in debug mode (:func:`debug_enabled`) only."""
+    check_consistent(comm, f"collective {collective}",
+                     sorted((key, str(value)) for key, value in arguments.items()))

@@ -29,7 +29,10 @@ def host_tensor(like: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torc
 
 
 def memory(tensor: torch.Tensor, start: int = 0, count: Optional[int] = None) -> MPI.buffer:
-    """Zero-copy MPI memory for elements ``[start, start + count)`` of a contiguous tensor."""
+    """Zero-copy MPI memory for elements ``[start, start + count)`` of a contiguous tensor (all
+    of it by default)."""
+    if count is None and not start:
+        return MPI.buffer.fromaddress(tensor.data_ptr(), tensor.nbytes)
     size = tensor.element_size()
     if count is None:
         count = tensor.numel() - start

@@ -2,12 +2,14 @@
 its start, end, bytes, communicator and caller (a DDP bucket, ZeroRedundancyOptimizer's sync,
 model averaging, a checkpoint...), and the compute spans that the training job marks.
 
-The last :data:`RECENT` operations are always kept, in a ring, so that the watchdog can say what
-each rank was doing when a job stalled. With ``TENSORPLAY_HPC_TRACE=DIR`` (or :func:`enable`)
-every operation is kept too, and :func:`write` saves them as Chrome trace JSON, which Perfetto
-(ui.perfetto.dev) and ``chrome://tracing`` open: ``DIR/trace-rank<R>.json`` on every rank and
-``DIR/trace.json`` with all ranks. A trace holds every operation of the run in memory: it is
-meant for runs of minutes, not days.
+Every operation's bytes are counted. While the watchdog watches, the last :data:`RECENT`
+operations are also recorded, in a ring, so that it can say what each rank was doing when a job
+stalled; otherwise nothing is recorded, which spares each collective the cost of a record. With
+``TENSORPLAY_HPC_TRACE=DIR`` (or :func:`enable`) every operation is recorded and kept, and
+:func:`write` saves them as Chrome trace JSON, which Perfetto (ui.perfetto.dev) and
+``chrome://tracing`` open: ``DIR/trace-rank<R>.json`` on every rank and ``DIR/trace.json`` with
+all ranks. A trace holds every operation of the run in memory: it is meant for runs of minutes,
+not days.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from collections import deque
 from contextlib import contextmanager
 from pathlib import Path
 from time import perf_counter
-from typing import Any, Deque, Dict, Iterator, List, Optional
+from typing import Any, Deque, Dict, Iterator, List, Optional, Union
 
 from mpi4py import MPI
 
@@ -32,6 +34,8 @@ MERGED_FILE = "trace.json"
 _caller: contextvars.ContextVar[str] = contextvars.ContextVar("tensorplay_hpc_caller", default="")
 _recent: Deque["Operation"] = deque(maxlen=RECENT)
 _kept: Optional[List["Operation"]] = None
+_ring_kept = False      # set once the watchdog watches
+_recording = False      # the ring or the trace is kept: operations are recorded at all
 _directory: Optional[Path] = None
 _written = False
 
@@ -46,26 +50,27 @@ class _ThreadState:
         self.thread, self.name, self.communicated = thread, thread.name, 0
 
 
-_local = threading.local()
 _threads: List[_ThreadState] = []   # the states of the threads alive when the last one began
 _finished = [0]                      # the bytes of the threads that have ended since
 _threads_lock = threading.Lock()
 
 
-def _thread_state() -> _ThreadState:
-    try:
-        return _local.state
-    except AttributeError:
-        state = _local.state = _ThreadState(threading.current_thread())
+class _Local(threading.local):
+    """``state``: the calling thread's :class:`_ThreadState`, made on the thread's first use."""
+
+    def __init__(self) -> None:
+        self.state = state = _ThreadState(threading.current_thread())
         with _threads_lock:     # ended threads count no more: fold them into one total
             ended = [s for s in _threads if not s.thread.is_alive()]
             _finished[0] += sum(s.communicated for s in ended)
             _threads[:] = [s for s in _threads if s not in ended] + [state]
-        return state
+
+
+_local = _Local()
 
 
 class Operation:
-    """One traced operation: a context manager that stamps its start and end.
+    """One recorded operation: a context manager that stamps its start and end.
 
     ``kind`` is ``"collective"``, ``"rma"``, ``"compute"`` or ``"io"``. A nonblocking operation
     (``asynchronous``) ends when its request completes (:meth:`finish`), not with the block.
@@ -74,15 +79,12 @@ class Operation:
     __slots__ = ("name", "kind", "comm", "nbytes", "caller", "thread", "asynchronous", "start",
                  "end")
 
-    def __init__(self, name: str, kind: str, comm: str, nbytes: int, asynchronous: bool) -> None:
+    def __init__(self, name: str, kind: str, comm: str, nbytes: int, asynchronous: bool,
+                 thread: str) -> None:
         self.name, self.kind, self.comm, self.nbytes = name, kind, comm, nbytes
-        self.asynchronous = asynchronous
+        self.asynchronous, self.thread = asynchronous, thread
         self.caller = _caller.get()
-        state = _thread_state()
-        state.communicated += nbytes
-        self.thread = state.name
-        self.start = 0.0
-        self.end: Optional[float] = None
+        self.end: Optional[float] = None   # ``start`` is stamped on entry
 
     def __enter__(self) -> "Operation":
         self.start = perf_counter()
@@ -91,8 +93,8 @@ class Operation:
             _kept.append(self)
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        if not self.asynchronous or exc[0] is not None:
+    def __exit__(self, kind: object, value: object, traceback: object) -> None:
+        if not self.asynchronous or kind is not None:
             self.end = perf_counter()
 
     def finish(self) -> None:
@@ -108,6 +110,27 @@ class Operation:
         when = (f"running for {now - self.start:.3f} s" if self.end is None else
                 f"took {(self.end - self.start) * 1e3:.3f} ms, ended {now - self.end:.3f} s ago")
         return f"{self.name}{size}{where}{caller} [{self.thread}]: {when}"
+
+
+class _Unrecorded:
+    """Stands in for an operation while nothing is recorded: enters, exits and finishes at no
+    cost."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> "_Unrecorded":
+        return self
+
+    def __exit__(self, kind: object, value: object, traceback: object) -> None:
+        return None
+
+    def finish(self) -> None:
+        return None
+
+
+UNRECORDED = _Unrecorded()
+Record = Union[Operation, _Unrecorded]
+"""What :func:`collective`, :func:`rma` and :func:`span` return."""
 
 
 def _bytes(n: int) -> str:
@@ -129,22 +152,34 @@ def bytes_communicated() -> int:
         return _finished[0] + sum(state.communicated for state in _threads)
 
 
-def collective(name: str, comm: MPI.Comm, nbytes: int, asynchronous: bool = False) -> Operation:
+def collective(name: str, comm: MPI.Comm, nbytes: int, asynchronous: bool = False) -> Record:
     """A collective on ``comm`` moving ``nbytes`` of this rank's data, to run in a ``with``
-    block. Local."""
-    return Operation(name, "collective", communicator_name(comm), nbytes, asynchronous)
+    block: counted always, recorded while the ring or the trace is kept. Local."""
+    state = _local.state
+    state.communicated += nbytes
+    if not _recording:
+        return UNRECORDED
+    return Operation(name, "collective", communicator_name(comm), nbytes, asynchronous,
+                     state.name)
 
 
-def rma(name: str, comm_name: str, nbytes: int) -> Operation:
+def rma(name: str, comm_name: str, nbytes: int) -> Record:
     """A one-sided operation (or epoch) on a window over the communicator called ``comm_name``
-    (:func:`communicator_name`), in a ``with`` block. Local."""
-    return Operation(name, "rma", comm_name, nbytes, False)
+    (:func:`communicator_name`), in a ``with`` block: counted always, recorded while the ring
+    or the trace is kept. Local."""
+    state = _local.state
+    state.communicated += nbytes
+    if not _recording:
+        return UNRECORDED
+    return Operation(name, "rma", comm_name, nbytes, False, state.name)
 
 
-def span(name: str, kind: str = "compute") -> Operation:
+def span(name: str, kind: str = "compute") -> Record:
     """A span of other work, in a ``with`` block: ``"compute"`` (forward, backward, optimizer
     step) or ``"io"`` (a checkpoint). Local."""
-    return Operation(name, kind, "", 0, False)
+    if not _recording:
+        return UNRECORDED
+    return Operation(name, kind, "", 0, False, _local.state.name)
 
 
 @contextmanager
@@ -161,7 +196,8 @@ def caller(label: str) -> Iterator[None]:
 
 
 def recent() -> List[Operation]:
-    """The latest operations of this rank, oldest first (at most :data:`RECENT`)."""
+    """The latest operations of this rank, oldest first (at most :data:`RECENT`), recorded
+    while the ring or the trace is kept."""
     return list(_recent)
 
 
@@ -174,23 +210,31 @@ def describe_recent() -> str:
     return "".join(f"  {operation.describe(now)}\n" for operation in operations)
 
 
+def keep_recent() -> None:
+    """Keep the ring of recent operations from now on (the watchdog's report). Local."""
+    global _ring_kept, _recording
+    _ring_kept = _recording = True
+
+
 # -- the full trace ----------------------------------------------------------------------------
 
 def enable(directory: os.PathLike) -> None:
     """Keep every operation from now on, to be written to ``directory`` by :func:`write` (or,
     without it, this rank's file alone when the process exits). Local."""
-    global _kept, _directory, _written
+    global _kept, _directory, _written, _recording
     _directory = Path(directory)
     _written = False
     if _kept is None:
         _kept = []
+    _recording = True
 
 
 def disable() -> None:
     """Stop keeping operations for the trace, and forget those kept (the ring of recent ones
-    stays). Local."""
-    global _kept, _directory
+    stays, and is kept on if the watchdog watches). Local."""
+    global _kept, _directory, _recording
     _kept, _directory = None, None
+    _recording = _ring_kept
 
 
 def directory() -> Optional[Path]:

@@ -117,19 +117,22 @@ class ArrivalCounter:
 
 
 class _Watch:
-    """The watchdog's view of one blocking collective while it runs."""
+    """The watchdog's view of one blocking collective while it runs, around the context
+    ``within`` (the collective's trace entry)."""
 
-    __slots__ = ("operation", "counter", "number", "started")
+    __slots__ = ("operation", "counter", "within", "number", "started")
 
-    def __init__(self, operation: str, counter: ArrivalCounter) -> None:
-        self.operation, self.counter = operation, counter
+    def __init__(self, operation: str, counter: ArrivalCounter, within: ContextManager) -> None:
+        self.operation, self.counter, self.within = operation, counter, within
 
     def __enter__(self) -> None:
         self.counter.count += 1
         self.number, self.started = self.counter.count, time.monotonic()
         _running.add(self)
+        self.within.__enter__()
 
     def __exit__(self, *exc: object) -> None:
+        self.within.__exit__(*exc)
         _running.discard(self)
 
 
@@ -197,6 +200,7 @@ def register(comm: MPI.Intracomm, name: str) -> Optional[ArrivalCounter]:
     if timeout() is None:
         return None
     counter = ArrivalCounter(comm, name)
+    trace.keep_recent()
     with _lock:
         _counters[comm.handle] = counter
     if _thread is None:
@@ -223,8 +227,10 @@ def forget(comm: MPI.Intracomm) -> None:
 _UNWATCHED = nullcontext()
 
 
-def watched(operation: str, comm: MPI.Intracomm) -> ContextManager[None]:
-    """A context in which to run a blocking collective on ``comm`` under the watchdog (a shared
-    no-op for a communicator that is not watched)."""
+def watched(operation: str, comm: MPI.Intracomm,
+            within: ContextManager = _UNWATCHED) -> ContextManager:
+    """A context in which to run a blocking collective on ``comm`` under the watchdog, entering
+    ``within`` (the collective's trace entry) inside it; for a communicator that is not
+    watched, ``within`` itself, so that an unwatched collective pays for one context only."""
     counter = _counters.get(comm.handle) if _counters else None
-    return _UNWATCHED if counter is None else _Watch(operation, counter)
+    return within if counter is None else _Watch(operation, counter, within)

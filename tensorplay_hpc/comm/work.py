@@ -5,7 +5,7 @@ from typing import Callable, List, Optional, Sequence
 
 from mpi4py import MPI
 
-from .trace import Operation
+from .trace import Record
 from .watchdog import watched
 
 
@@ -16,7 +16,7 @@ class Work:
     def __init__(self, requests: Sequence[MPI.Request] = (),
                  then: Optional[Callable[[], object]] = None, keep: Sequence[object] = (),
                  operation: str = "", comm: Optional[MPI.Intracomm] = None,
-                 record: Optional[Operation] = None) -> None:
+                 record: Optional[Record] = None) -> None:
         self._requests: List[MPI.Request] = list(requests)
         self._then = then
         self._keep = list(keep)   # buffers MPI may still read: alive until completion
@@ -66,7 +66,7 @@ class Work:
 def complete(requests: List[MPI.Request], then: Callable[[], object], async_op: bool,
              keep: Sequence[object] = (), operation: str = "",
              comm: Optional[MPI.Intracomm] = None,
-             record: Optional[Operation] = None) -> Optional[Work]:
+             record: Optional[Record] = None) -> Optional[Work]:
     """Return a handle for an asynchronous call, or finish a blocking one now. ``keep`` holds
     the buffers that MPI reads until the requests complete; ``operation`` on ``comm`` is what
     the watchdog reports if the wait stalls; ``record``, the trace's entry, ends on completion."""
