@@ -122,17 +122,25 @@ def reduce(tensor: torch.Tensor, comm: MPI.Intracomm, root: int,
 def broadcast(tensor: torch.Tensor, comm: MPI.Intracomm, root: int = 0,
               async_op: bool = False) -> Optional[Work]:
     """Copy ``tensor`` from rank ``root`` into ``tensor`` on every other rank."""
-    staged = Staged(tensor, copy_in=comm.Get_rank() == root)
+    count = tensor.numel()
+    datatype = None if async_op else direct_datatype(tensor)
+    if datatype is not None and count <= chunk_elements():     # the common case at once
+        staged, buffers = None, [[memory(tensor), count, datatype]]
+    else:
+        staged = Staged(tensor, copy_in=comm.Get_rank() == root)
+        buffers = [staged.buf(start, n) for start, n in chunks(count)]
     if debug_enabled():
-        check_collective(comm, "broadcast", count=staged.count, dtype=tensor.dtype, root=root)
+        check_collective(comm, "broadcast", count=count, dtype=tensor.dtype, root=root)
     requests = []
     record = trace.collective("broadcast", comm, tensor.nbytes, async_op)
     with watched("broadcast", comm, record):
-        for start, n in chunks(staged.count):
+        for buffer in buffers:
             if async_op:
-                requests.append(comm.Ibcast(staged.buf(start, n), root))
+                requests.append(comm.Ibcast(buffer, root))
             else:
-                comm.Bcast(staged.buf(start, n), root)
+                comm.Bcast(buffer, root)
+    if staged is None:
+        return None
     return complete(requests, staged.finish, async_op, operation="broadcast", comm=comm,
                     record=record)
 
