@@ -301,14 +301,53 @@ def test_a_failed_write_of_the_checksums_is_the_same_error_on_every_rank(folder,
     _assert_short_write_left_the_file(raised.value, path, before, 0, "8")
 
 
+def test_each_rank_syncs_its_own_writes_and_a_failed_sync_is_an_error_everywhere(folder,
+                                                                                 monkeypatch):
+    """On a parallel file system a node's writes are durable only once that node syncs them:
+    every rank ``fsync``s the temporary file after its writes, before the commit (where rank 0
+    syncs it again, then the folder). A sync that fails (an I/O error) fails the save on every
+    rank and leaves the previous checkpoint."""
+    model = make_model()
+    path = os.path.join(folder, "synced.h5")
+    synced, real_fsync = [], os.fsync
+
+    def record(fd):
+        synced.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+    monkeypatch.setattr("tensorplay_hpc.checkpoint.writer.os.fsync", record)
+    checkpoint.save(path, model, extra={"step": 1, "mine": torch.ones(4)})   # data on every rank
+    temporary = synced[0]
+    assert temporary.startswith("synced.h5.tmp-")
+    assert synced == ([temporary, temporary, os.path.basename(folder)] if WORLD.Get_rank() == 0
+                      else [temporary])
+    before = open(path, "rb").read() if WORLD.Get_rank() == 0 else None
+    last = WORLD.Get_size() - 1
+    if WORLD.Get_rank() == last:
+        def fail(fd):
+            raise OSError(5, "Input/output error")
+        monkeypatch.setattr("tensorplay_hpc.checkpoint.writer.os.fsync", fail)
+    with pytest.raises(checkpoint.CheckpointError) as raised:
+        checkpoint.save(path, model, extra={"step": 2, "mine": torch.ones(4)})
+    monkeypatch.undo()
+    _assert_failure_left_the_file(raised.value, path, before, last,
+                                  re.escape("OSError: [Errno 5] Input/output error"))
+
+
 def _assert_short_write_left_the_file(error, path, before, rank, written):
-    """``error`` reports a write cut short on ``rank`` (``written`` bytes, a regex) and the save
-    left the checkpoint at ``path`` as it was (``before``, rank 0's bytes), with no temporary
-    file, and loadable (its step is 1). Collective."""
-    assert re.fullmatch(
-        f"saving checkpoint {path} failed on 1 of {WORLD.Get_size()} ranks: rank {rank}: "
+    """``error`` reports a write cut short on ``rank`` (``written`` bytes, a regex); see
+    :func:`_assert_failure_left_the_file`. Collective."""
+    _assert_failure_left_the_file(
+        error, path, before, rank,
         f"OSError: wrote {written} of \\d+ bytes at byte \\d+ of the file \\(a full disk, "
-        r"a quota or a file-size limit\?\)", str(error)), str(error)
+        r"a quota or a file-size limit\?\)")
+
+
+def _assert_failure_left_the_file(error, path, before, rank, failure):
+    """``error`` reports ``failure`` (a regex) on ``rank`` alone, and the save left the
+    checkpoint at ``path`` as it was (``before``, rank 0's bytes), with no temporary file, and
+    loadable (its step is 1). Collective."""
+    assert re.fullmatch(f"saving checkpoint {path} failed on 1 of {WORLD.Get_size()} ranks: "
+                        f"rank {rank}: {failure}", str(error)), str(error)
     WORLD.Barrier()
     if WORLD.Get_rank() == 0:
         assert open(path, "rb").read() == before

@@ -199,8 +199,9 @@ def _write_own(temporary: str, catalog: Catalog, offsets: np.ndarray, first_row:
                arrays: Arrays) -> np.ndarray:
     """Write this rank's arrays (catalog rows ``first_row`` on) where their datasets lie
     (``offsets``, as :func:`_lay_out` returns them), taking the CRC-32 of each run just before
-    writing it. Returns the arrays' checksums (``int64``). Local: the file is opened by this
-    rank alone (an MPI-IO open on more ranks creates a communicator, which Open MPI does one at
+    writing it, and ``fsync`` them: on a parallel file system each node holds its own writes
+    until it syncs them, so rank 0's ``fsync`` at the commit would not make them durable.
+    Returns the arrays' checksums (``int64``). Local: the file is opened by this rank alone (an MPI-IO open on more ranks creates a communicator, which Open MPI does one at
     a time per process, so it could wait for the main thread's), and only if it has values to
     write."""
     crcs = np.zeros(len(arrays), dtype=np.int64)
@@ -217,6 +218,7 @@ def _write_own(temporary: str, catalog: Catalog, offsets: np.ndarray, first_row:
                 _write_run(handle, position, run, lengths)
                 files.start_writeback(fd, position, sum(lengths))
                 os.sched_yield()
+            os.fsync(fd)
         finally:
             os.close(fd)
     finally:
