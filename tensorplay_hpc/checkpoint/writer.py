@@ -201,9 +201,9 @@ def _write_own(temporary: str, catalog: Catalog, offsets: np.ndarray, first_row:
     (``offsets``, as :func:`_lay_out` returns them), taking the CRC-32 of each run just before
     writing it, and ``fsync`` them: on a parallel file system each node holds its own writes
     until it syncs them, so rank 0's ``fsync`` at the commit would not make them durable.
-    Returns the arrays' checksums (``int64``). Local: the file is opened by this rank alone (an MPI-IO open on more ranks creates a communicator, which Open MPI does one at
-    a time per process, so it could wait for the main thread's), and only if it has values to
-    write."""
+    Returns the arrays' checksums (``int64``). Local: the file is opened by this rank alone (an
+    MPI-IO open on more ranks creates a communicator, which Open MPI does one at a time per
+    process, so it could wait for the main thread's), and only if it has values to write."""
     crcs = np.zeros(len(arrays), dtype=np.int64)
     runs = list(_runs(catalog, first_row, arrays, dict(zip(catalog.datasets, offsets.tolist()))))
     if not runs:
