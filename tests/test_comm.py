@@ -420,6 +420,25 @@ def test_private_duplicate_is_separate_and_freed(world):
     assert private == MPI.COMM_NULL
 
 
+@pytest.mark.parametrize("name, call", [
+    ("all_reduce", lambda c: comm.all_reduce([1.0], c)),
+    ("reduce", lambda c: comm.reduce([1.0], c, 0)),
+    ("broadcast", lambda c: comm.broadcast([1.0], c)),
+    ("all_gather_v", lambda c: comm.all_gather_v(torch.zeros(c.Get_size()),
+                                                 [1] * c.Get_size(), c, [1.0])),
+    ("all_gather", lambda c: comm.all_gather(torch.zeros(c.Get_size()), [1.0], c)),
+    ("reduce_scatter", lambda c: comm.reduce_scatter([1.0], torch.zeros(c.Get_size()), c)),
+    ("gather", lambda c: comm.gather([1.0], c)),
+    ("all_reduce_coalesced", lambda c: comm.all_reduce_coalesced([torch.zeros(1), [1.0]], c)),
+])
+def test_a_non_tensor_is_a_type_error_naming_the_collective_and_the_rank(group, name, call):
+    """Refused on every rank before any MPI call, so no rank waits in a collective."""
+    with pytest.raises(TypeError) as raised:
+        call(group.comm)
+    assert str(raised.value) == (f"{name}: expected a torch.Tensor, got list "
+                                 f"(rank {group.rank})")
+
+
 def test_bad_counts_name_the_rank(group):
     with pytest.raises(ValueError, match=f"rank {group.rank}"):
         comm.all_gather_v(torch.zeros(3), [1] * (group.size + 1), group.comm)

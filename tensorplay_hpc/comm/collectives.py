@@ -32,6 +32,14 @@ def _displacements(counts: Sequence[int]) -> List[int]:
     return displs
 
 
+def _check_tensors(what: str, comm: MPI.Intracomm, *values: object) -> None:
+    """Raise ``TypeError`` naming ``what`` and the rank if one of ``values`` is not a tensor."""
+    for value in values:
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{what}: expected a torch.Tensor, got {type(value).__name__} "
+                            f"(rank {comm.Get_rank()})")
+
+
 def _check_counts(counts: Sequence[int], comm: MPI.Intracomm, total: int, what: str) -> List[int]:
     counts = [int(c) for c in counts]
     if len(counts) != comm.Get_size():
@@ -53,6 +61,7 @@ def all_reduce(tensor: torch.Tensor, comm: MPI.Intracomm, op: ReduceOp = ReduceO
     16-bit addition runs on the host: GPU memory that a CUDA-aware MPI reads directly is summed
     in float32.
     """
+    _check_tensors("all_reduce", comm, tensor)
     if type(op) is not ReduceOp:
         op = ReduceOp(op)
     in_half = (in_dtype and is_half(tensor.dtype)
@@ -92,6 +101,7 @@ def reduce(tensor: torch.Tensor, comm: MPI.Intracomm, root: int,
            op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Optional[Work]:
     """Reduce ``tensor`` across the group into ``tensor`` on rank ``root``, in place; the other
     ranks' tensors are left as they were."""
+    _check_tensors("reduce", comm, tensor)
     op = ReduceOp(op)
     is_root = comm.Get_rank() == root
     staged = Staged(tensor, reduce=True)
@@ -122,6 +132,7 @@ def reduce(tensor: torch.Tensor, comm: MPI.Intracomm, root: int,
 def broadcast(tensor: torch.Tensor, comm: MPI.Intracomm, root: int = 0,
               async_op: bool = False) -> Optional[Work]:
     """Copy ``tensor`` from rank ``root`` into ``tensor`` on every other rank."""
+    _check_tensors("broadcast", comm, tensor)
     count = tensor.numel()
     datatype = None if async_op else direct_datatype(tensor)
     if datatype is not None and count <= chunk_elements():     # the common case at once
@@ -152,6 +163,7 @@ def all_gather_v(output: torch.Tensor, counts: Sequence[int], comm: MPI.Intracom
     Rank ``r`` contributes ``counts[r]`` elements: ``input`` if given, else the elements already
     at its own place in ``output`` (in place, no extra copy).
     """
+    _check_tensors("all_gather_v", comm, output, *([] if input is None else [input]))
     rank = comm.Get_rank()
     counts = _check_counts(counts, comm, output.numel(), "all_gather_v")
     displs = _displacements(counts)
@@ -191,6 +203,7 @@ def all_gather_v(output: torch.Tensor, counts: Sequence[int], comm: MPI.Intracom
 def all_gather(output: torch.Tensor, input: torch.Tensor, comm: MPI.Intracomm,
                async_op: bool = False) -> Optional[Work]:
     """Concatenate equal-sized ``input`` tensors from every rank into ``output``, in rank order."""
+    _check_tensors("all_gather", comm, output, input)
     size = comm.Get_size()
     count, total = input.numel(), output.numel()   # a receive count is per rank
     if total != size * count:
@@ -226,6 +239,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, comm: MPI.Intracom
                    async_op: bool = False) -> Optional[Work]:
     """Reduce ``input`` across the group and leave part ``r`` of the result in ``output`` on rank
     ``r``. Parts have ``counts[r]`` elements (equal parts when ``counts`` is ``None``)."""
+    _check_tensors("reduce_scatter", comm, output, input)
     op = ReduceOp(op)
     size, rank = comm.Get_size(), comm.Get_rank()
     if counts is None:
@@ -276,6 +290,7 @@ def gather(input: torch.Tensor, comm: MPI.Intracomm, root: int = 0,
     ``counts`` (every rank's element count, the same list on all ranks) saves a small exchange
     of sizes when the caller knows them.
     """
+    _check_tensors("gather", comm, input)
     rank = comm.Get_rank()
     if counts is None:
         counts = np.empty(comm.Get_size(), dtype=np.int64)
@@ -318,10 +333,11 @@ def all_reduce_coalesced(tensors: Sequence[torch.Tensor], comm: MPI.Intracomm,
     copied while it is in cache: a tensor of a piece or more is reduced in its own memory (16-bit
     floats through a float32 piece); smaller ones are packed, a piece's worth at a time, into one
     reused staging buffer per dtype and device (one alone in its piece needs no packing when MPI
-    can reduce it where it is). Nonblocking, each dtype and device travels in one
-    flat buffer and one collective. Which calls are made depends only on the tensors' sizes and
-    dtypes, so ranks holding equal shapes make the same calls.
+    can reduce it where it is). Nonblocking, each dtype and device travels in one flat buffer
+    and one collective. Which calls are made depends only on the tensors' sizes and dtypes, so
+    ranks holding equal shapes make the same calls.
     """
+    _check_tensors("all_reduce_coalesced", comm, *tensors)
     if not async_op:
         for indices in group_by_dtype_device(tensors).values():
             _stream_reduce([tensors[i] for i in indices], comm, op)
