@@ -32,12 +32,13 @@ def _displacements(counts: Sequence[int]) -> List[int]:
     return displs
 
 
-def _check_tensors(what: str, comm: MPI.Intracomm, *values: object) -> None:
-    """Raise ``TypeError`` naming ``what`` and the rank if one of ``values`` is not a tensor."""
-    for value in values:
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{what}: expected a torch.Tensor, got {type(value).__name__} "
-                            f"(rank {comm.Get_rank()})")
+def _refuse(what: str, comm: MPI.Intracomm, *values: object) -> None:
+    """Raise ``TypeError`` naming ``what``, the first of ``values`` that is not a tensor, and
+    the rank. The collectives test ``isinstance`` themselves and call this only on failure,
+    since a call costs as much as a small collective's own work."""
+    wrong = next(v for v in values if not isinstance(v, torch.Tensor))
+    raise TypeError(f"{what}: expected a torch.Tensor, got {type(wrong).__name__} "
+                    f"(rank {comm.Get_rank()})")
 
 
 def _check_counts(counts: Sequence[int], comm: MPI.Intracomm, total: int, what: str) -> List[int]:
@@ -61,7 +62,8 @@ def all_reduce(tensor: torch.Tensor, comm: MPI.Intracomm, op: ReduceOp = ReduceO
     16-bit addition runs on the host: GPU memory that a CUDA-aware MPI reads directly is summed
     in float32.
     """
-    _check_tensors("all_reduce", comm, tensor)
+    if not isinstance(tensor, torch.Tensor):
+        _refuse("all_reduce", comm, tensor)
     if type(op) is not ReduceOp:
         op = ReduceOp(op)
     in_half = (in_dtype and is_half(tensor.dtype)
@@ -101,7 +103,8 @@ def reduce(tensor: torch.Tensor, comm: MPI.Intracomm, root: int,
            op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Optional[Work]:
     """Reduce ``tensor`` across the group into ``tensor`` on rank ``root``, in place; the other
     ranks' tensors are left as they were."""
-    _check_tensors("reduce", comm, tensor)
+    if not isinstance(tensor, torch.Tensor):
+        _refuse("reduce", comm, tensor)
     op = ReduceOp(op)
     is_root = comm.Get_rank() == root
     staged = Staged(tensor, reduce=True)
@@ -132,7 +135,8 @@ def reduce(tensor: torch.Tensor, comm: MPI.Intracomm, root: int,
 def broadcast(tensor: torch.Tensor, comm: MPI.Intracomm, root: int = 0,
               async_op: bool = False) -> Optional[Work]:
     """Copy ``tensor`` from rank ``root`` into ``tensor`` on every other rank."""
-    _check_tensors("broadcast", comm, tensor)
+    if not isinstance(tensor, torch.Tensor):
+        _refuse("broadcast", comm, tensor)
     count = tensor.numel()
     datatype = None if async_op else direct_datatype(tensor)
     if datatype is not None and count <= chunk_elements():     # the common case at once
@@ -163,7 +167,8 @@ def all_gather_v(output: torch.Tensor, counts: Sequence[int], comm: MPI.Intracom
     Rank ``r`` contributes ``counts[r]`` elements: ``input`` if given, else the elements already
     at its own place in ``output`` (in place, no extra copy).
     """
-    _check_tensors("all_gather_v", comm, output, *([] if input is None else [input]))
+    if not isinstance(output, torch.Tensor) or not isinstance(input, (torch.Tensor, type(None))):
+        _refuse("all_gather_v", comm, output, input)
     rank = comm.Get_rank()
     counts = _check_counts(counts, comm, output.numel(), "all_gather_v")
     displs = _displacements(counts)
@@ -203,7 +208,8 @@ def all_gather_v(output: torch.Tensor, counts: Sequence[int], comm: MPI.Intracom
 def all_gather(output: torch.Tensor, input: torch.Tensor, comm: MPI.Intracomm,
                async_op: bool = False) -> Optional[Work]:
     """Concatenate equal-sized ``input`` tensors from every rank into ``output``, in rank order."""
-    _check_tensors("all_gather", comm, output, input)
+    if not isinstance(output, torch.Tensor) or not isinstance(input, torch.Tensor):
+        _refuse("all_gather", comm, output, input)
     size = comm.Get_size()
     count, total = input.numel(), output.numel()   # a receive count is per rank
     if total != size * count:
@@ -239,7 +245,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, comm: MPI.Intracom
                    async_op: bool = False) -> Optional[Work]:
     """Reduce ``input`` across the group and leave part ``r`` of the result in ``output`` on rank
     ``r``. Parts have ``counts[r]`` elements (equal parts when ``counts`` is ``None``)."""
-    _check_tensors("reduce_scatter", comm, output, input)
+    if not isinstance(output, torch.Tensor) or not isinstance(input, torch.Tensor):
+        _refuse("reduce_scatter", comm, output, input)
     op = ReduceOp(op)
     size, rank = comm.Get_size(), comm.Get_rank()
     if counts is None:
@@ -290,7 +297,8 @@ def gather(input: torch.Tensor, comm: MPI.Intracomm, root: int = 0,
     ``counts`` (every rank's element count, the same list on all ranks) saves a small exchange
     of sizes when the caller knows them.
     """
-    _check_tensors("gather", comm, input)
+    if not isinstance(input, torch.Tensor):
+        _refuse("gather", comm, input)
     rank = comm.Get_rank()
     if counts is None:
         counts = np.empty(comm.Get_size(), dtype=np.int64)
@@ -337,7 +345,8 @@ def all_reduce_coalesced(tensors: Sequence[torch.Tensor], comm: MPI.Intracomm,
     and one collective. Which calls are made depends only on the tensors' sizes and dtypes, so
     ranks holding equal shapes make the same calls.
     """
-    _check_tensors("all_reduce_coalesced", comm, *tensors)
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        _refuse("all_reduce_coalesced", comm, *tensors)
     if not async_op:
         for indices in group_by_dtype_device(tensors).values():
             _stream_reduce([tensors[i] for i in indices], comm, op)
