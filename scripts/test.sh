@@ -1,9 +1,24 @@
 #!/usr/bin/env bash
-# Set up (when needed), then run every test under mpiexec with 1, 2 and 4 ranks on one node,
-# and at 4 ranks over 2 simulated nodes (as root).
-# Extra arguments go to pytest (for example a test file or -k EXPR).
+# Set up (when needed), then run every test under each MPI library (lane, see env.sh):
+#
+#   system (Debian's Open MPI 4.1): mpiexec with 1, 2 and 4 ranks on one node, and 4 ranks over
+#           2 simulated nodes (as root);
+#   mpich, openmpi5: 2 and 4 ranks on one node, and 4 ranks over 2 simulated nodes;
+#   impi:   2 and 4 ranks on one node.
+#
+# TENSORPLAY_MPI=NAME runs one lane only. Extra arguments go to pytest (a test file, -k EXPR).
+# docs/developers.md says why each lane runs what it runs.
 set -euo pipefail
 here=$(dirname "${BASH_SOURCE[0]}")
+
+if [ -z "${TENSORPLAY_MPI:-}" ]; then
+    status=0
+    for lane in system mpich impi openmpi5; do
+        TENSORPLAY_MPI=$lane bash "$0" "$@" || status=1
+    done
+    exit $status
+fi
+
 bash "$here/setup.sh"
 # shellcheck source=scripts/env.sh
 source "$here/env.sh"
@@ -15,33 +30,41 @@ export TMPDIR
 trap 'rm -rf "$TMPDIR"' EXIT
 
 status=0
-echo "=== shellcheck and the documentation ==="
-if command -v shellcheck >/dev/null 2>&1; then
-    shellcheck jobs/*.sh jobs/*.sbatch scripts/*.sh || { echo "=== shellcheck FAILED ==="; status=1; }
-else
-    echo "no shellcheck on PATH: shell scripts not checked"
-fi
-mkdocs build --strict --quiet --site-dir "$root/site" || { echo "=== mkdocs FAILED ==="; status=1; }
+case $lane in
+    system) rank_counts=(1 2 4); nodes=yes ;;
+    impi) rank_counts=(2 4); nodes=no ;;
+    *) rank_counts=(2 4); nodes=yes ;;
+esac
 
-for ranks in 1 2 4; do
-    echo "=== pytest under mpiexec -n $ranks ==="
+if [ "$lane" = system ]; then
+    echo "=== shellcheck and the documentation ==="
+    if command -v shellcheck >/dev/null 2>&1; then
+        shellcheck jobs/*.sh jobs/*.sbatch scripts/*.sh || { echo "=== shellcheck FAILED ==="; status=1; }
+    else
+        echo "no shellcheck on PATH: shell scripts not checked"
+    fi
+    mkdocs build --strict --quiet --site-dir "$root/site" || { echo "=== mkdocs FAILED ==="; status=1; }
+fi
+
+for ranks in "${rank_counts[@]}"; do
+    echo "=== $lane: pytest under mpiexec -n $ranks ==="
     # A whole run is bounded too, in case a rank wedges outside a test's own timeout.
     if ! timeout 1800 "${MPIEXEC[@]}" -n "$ranks" python -m pytest --with-mpi -q "$@"; then
-        echo "=== FAILED with $ranks ranks ==="
+        echo "=== $lane: FAILED with $ranks ranks ==="
         status=1
     fi
 done
-if [ "$(id -u)" -eq 0 ]; then
-    echo "=== pytest under mpiexec -n 4 over 2 simulated nodes of 2 ranks (TCP between them) ==="
+if [ "$nodes" = yes ] && [ "$(id -u)" -eq 0 ]; then
+    echo "=== $lane: pytest under mpiexec -n 4 over 2 simulated nodes of 2 ranks (TCP between them) ==="
     if ! timeout 1800 python tests/simulated_nodes.py --nodes 2 --slots 2 --mpiexec -- \
             "${MPIEXEC[@]:1}" -n 4 python -m pytest --with-mpi -q "$@"; then
-        echo "=== FAILED with 4 ranks over 2 nodes ==="
+        echo "=== $lane: FAILED with 4 ranks over 2 nodes ==="
         status=1
     fi
-else
-    echo "=== not root: the pass over simulated nodes (Linux namespaces) is skipped ==="
+elif [ "$nodes" = yes ]; then
+    echo "=== $lane: not root: the pass over simulated nodes (Linux namespaces) is skipped ==="
 fi
-if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+if [ "$lane" = system ] && python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     echo "=== GPU checks ==="
     "${MPIEXEC[@]}" -n 2 python tests/gpu_check.py || status=1
 fi

@@ -3,6 +3,7 @@
 Such tests start jobs of their own size, so they run only in the 1-rank pass of the suite.
 """
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,8 @@ from mpi4py import MPI
 from simulated_nodes import SimulatedNodes
 
 REPO = Path(__file__).resolve().parents[1]
-MPIEXEC = ["mpiexec", "--oversubscribe", "--mca", "mpi_yield_when_idle", "1"]
+MPIEXEC = shlex.split(os.environ.get("TENSORPLAY_MPIEXEC", "mpiexec"))
+"""The launch of the running lane (``scripts/env.sh`` sets ``TENSORPLAY_MPIEXEC``)."""
 ONLY_UNDER_ONE_RANK = "launches its own jobs: runs only when the tests run on one rank"
 
 

@@ -10,8 +10,9 @@ Each node is a set of Linux namespaces of its own, held open by a sleeping proce
 - IPC: its own System V objects.
 
 The bridge lives in one more namespace, the *launcher* (the login node of the cluster), where
-``mpiexec`` runs. Open MPI starts one daemon per node through ``--mca plm_rsh_agent``, pointed
-at a script that enters the node's namespaces instead of calling ssh. Nothing here touches the
+``mpiexec`` runs. It starts one daemon per node through a script that enters the node's
+namespaces instead of calling ssh: Open MPI 4's ``--mca plm_rsh_agent``, Open MPI 5's (PRRTE)
+``--prtemca plm_ssh_agent``, or Hydra's (MPICH, Intel MPI) ``-launcher-exec``. Nothing here touches the
 machine's own network namespace: all traffic stays on the bridge. The nodes share the rest of
 the file system; ``scratch``, a folder in ``/var/tmp`` handed to jobs as ``TMPDIR``, plays the
 cluster's parallel file system.
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import os
 import shutil
@@ -51,7 +53,7 @@ SUBNET = "10.213.17"
 """The bridge's /24: the launcher is .1, node i is .(10 + i). Private to the namespaces."""
 
 AGENT = """#!/bin/sh
-# Open MPI's plm_rsh_agent for the simulated nodes: "AGENT HOST COMMAND..." runs COMMAND in
+# The launcher's remote-shell agent for the simulated nodes: "AGENT HOST COMMAND..." runs COMMAND in
 # HOST's namespaces, as ssh would run it in a remote shell.
 host=$1
 shift
@@ -70,6 +72,19 @@ ip link set lo up
 echo ready
 exec sleep infinity
 """
+
+
+@functools.lru_cache(maxsize=None)
+def launcher_dialect() -> str:
+    """Which launcher ``mpiexec`` on ``PATH`` is: ``orte`` (Open MPI 4), ``prrte`` (Open MPI 5)
+    or ``hydra`` (MPICH, Intel MPI, MVAPICH), from its ``--version``."""
+    version = subprocess.run(["mpiexec", "--version"], capture_output=True, text=True,
+                             timeout=60).stdout
+    if "HYDRA" in version or "Intel(R) MPI" in version:
+        return "hydra"
+    if "OpenRTE" in version or "(Open MPI) 4" in version:
+        return "orte"
+    return "prrte"
 
 
 def _die_with_parent() -> None:
@@ -181,14 +196,28 @@ class SimulatedNodes:
 
     def mpiexec_flags(self, slots: Optional[int] = None) -> List[str]:
         """``mpiexec`` options that place ranks on the nodes, ``slots`` per node (default: the
-        cluster's), and start the daemons through the namespace agent, over the bridge."""
+        cluster's), and start the daemons through the namespace agent, over the bridge, in the
+        dialect of the ``mpiexec`` on ``PATH``."""
         slots = slots or self.slots
         subnet = f"{SUBNET}.0/24"
-        return ["--host", ",".join(f"{name}:{slots}" for name in self.names),
-                "--mca", "plm", "rsh", "--mca", "plm_rsh_agent", str(self.folder / "agent"),
+        hosts = ",".join(f"{name}:{slots}" for name in self.names)
+        agent = str(self.folder / "agent")
+        dialect = launcher_dialect()
+        if dialect == "hydra":
+            return ["-hosts", hosts, "-launcher", "rsh", "-launcher-exec", agent,
+                    "-genv", "FI_TCP_IFACE", "eth0", "-genv", ENV, str(self.folder),
+                    "-genv", "TMPDIR", str(self.scratch)]
+        exported = ["-x", f"{ENV}={self.folder}", "-x", f"TMPDIR={self.scratch}"]
+        if dialect == "prrte":
+            return ["--host", hosts, "--map-by", "slot:oversubscribe",
+                    "--prtemca", "plm_ssh_agent", agent, "--prtemca", "plm_ssh_no_tree_spawn", "1",
+                    "--prtemca", "oob_tcp_if_include", subnet,
+                    "--mca", "btl_tcp_if_include", subnet, *exported]
+        return ["--host", hosts,
+                "--mca", "plm", "rsh", "--mca", "plm_rsh_agent", agent,
                 "--mca", "plm_rsh_no_tree_spawn", "1",
                 "--mca", "oob_tcp_if_include", subnet, "--mca", "btl_tcp_if_include", subnet,
-                "-x", f"{ENV}={self.folder}", "-x", f"TMPDIR={self.scratch}"]
+                *exported]
 
     def env(self, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
         """``base`` (default ``os.environ``) for a program run in the launcher."""
