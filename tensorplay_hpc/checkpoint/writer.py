@@ -20,6 +20,7 @@ save runs in a row and what a background save (:mod:`.background`) runs on its o
 """
 from __future__ import annotations
 
+import errno
 import os
 from collections import Counter
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import h5py
 import numpy as np
-from mpi4py import MPI
+from tensorplay_hpc.comm.mpi import MPI
 
 from tensorplay_hpc.comm import agree, quiet_barrier
 from tensorplay_hpc.comm.watchdog import watched
@@ -104,20 +105,40 @@ def _write_columns(temporary: str, offset: int, catalog: Catalog, crcs: np.ndarr
     catalog.columns[:, CRC] = crcs
     if offset < 0:
         return
-    data = np.ascontiguousarray(catalog.columns, dtype=_COLUMNS_DTYPE).tobytes()
+    data = np.ascontiguousarray(catalog.columns, dtype=_COLUMNS_DTYPE)
     fd = os.open(temporary, os.O_WRONLY)
     try:
-        _check_written(os.pwrite(fd, data, offset), len(data), offset)
+        _write_rest(fd, offset, [data], data.nbytes, 0)
     finally:
         os.close(fd)
 
 
-def _check_written(written: int, nbytes: int, position: int) -> None:
-    """Raise if a write of ``nbytes`` at byte ``position`` wrote only ``written``: how MPI-IO
-    (and ``pwrite``, once some bytes fit) reports a full disk or a file-size limit."""
-    if written != nbytes:
-        raise OSError(f"wrote {written} of {nbytes} bytes at byte {position} of the file (a "
-                      "full disk, a quota or a file-size limit?)")
+def _write_rest(fd: int, position: int, run: List[np.ndarray], nbytes: int, done: int) -> None:
+    """Write what is left of ``run`` (``nbytes`` bytes back to back at byte ``position``, the
+    first ``done`` of them written) with ``pwrite``, as often as it takes.
+
+    Every MPI library reports a write it could not finish its own way (Open MPI's OMPIO: a short
+    count; ROMIO, in MPICH, Intel MPI and Open MPI 5: an exception whose text names the system's
+    error), so whatever MPI-IO left undone is tried again here, where the system says why.
+
+    Raises:
+        OSError: with the system's error number (``ENOSPC`` when the system accepts no byte
+            and says nothing), naming the bytes written.
+    """
+    data = memoryview(np.concatenate([part.reshape(-1).view(np.uint8) for part in run])
+                      if len(run) > 1 else run[0].reshape(-1).view(np.uint8))
+    while done < nbytes:
+        try:
+            written = os.pwrite(fd, data[done:], position + done)
+        except OSError as failure:
+            number, reason = failure.errno, failure.strerror
+        else:
+            done += written
+            if written:
+                continue
+            number, reason = errno.ENOSPC, os.strerror(errno.ENOSPC)
+        raise OSError(number, f"{reason}: wrote {done} of {nbytes} bytes at byte {position} "
+                              "of the file")
 
 
 def _places(catalog: Catalog, rows: np.ndarray,
@@ -173,11 +194,12 @@ def _runs(catalog: Catalog, first_row: int, arrays: Arrays, offsets: Dict[str, i
             first = last
 
 
-def _write_run(handle: MPI.File, position: int, run: List[np.ndarray],
+def _write_run(handle: MPI.File, fd: int, position: int, run: List[np.ndarray],
                lengths: List[int]) -> None:
     """Write ``run``'s arrays (of ``lengths`` bytes) back to back at byte ``position`` of the
-    file, from their own memory: one array as it is, several through a datatype of their
-    addresses."""
+    file, from their own memory, through MPI-IO (``handle``): one array as it is, several through
+    a datatype of their addresses. What MPI-IO leaves undone is finished, or explained, with
+    ``pwrite`` on ``fd`` (:func:`_write_rest`)."""
     datatype = None
     nbytes = sum(lengths)
     if len(run) == 1:
@@ -186,13 +208,31 @@ def _write_run(handle: MPI.File, position: int, run: List[np.ndarray],
         datatype = MPI.BYTE.Create_hindexed(lengths, [MPI.Get_address(part) for part in run])
         datatype.Commit()
         message = [MPI.BOTTOM, 1, datatype]
+    status = MPI.Status()
     try:
-        status = MPI.Status()
         handle.Write_at(position, message, status)
+        done = status.Get_count(MPI.BYTE)
+    except MPI.Exception:
+        done = 0
     finally:
         if datatype is not None:
             datatype.Free()
-    _check_written(status.Get_count(MPI.BYTE), nbytes, position)
+    if done != nbytes:
+        _write_rest(fd, position, run, nbytes, done)
+
+
+def _open_for_writing(temporary: str) -> MPI.File:
+    """The temporary file, opened for writing through MPI-IO by this rank alone.
+
+    Raises:
+        OSError: the system's reason when it refuses the file too (permissions, a missing
+            folder), else ``EIO`` with MPI-IO's own.
+    """
+    try:
+        return MPI.File.Open(MPI.COMM_SELF, temporary, MPI.MODE_WRONLY)
+    except MPI.Exception as failure:
+        os.close(os.open(temporary, os.O_WRONLY))
+        raise OSError(errno.EIO, f"MPI-IO cannot open the file: {failure}") from None
 
 
 def _write_own(temporary: str, catalog: Catalog, offsets: np.ndarray, first_row: int,
@@ -208,14 +248,14 @@ def _write_own(temporary: str, catalog: Catalog, offsets: np.ndarray, first_row:
     runs = list(_runs(catalog, first_row, arrays, dict(zip(catalog.datasets, offsets.tolist()))))
     if not runs:
         return crcs
-    handle = MPI.File.Open(MPI.COMM_SELF, temporary, MPI.MODE_WRONLY)
+    handle = _open_for_writing(temporary)
     try:
         fd = os.open(temporary, os.O_WRONLY)     # to start each run's writeback at once
         try:
             for position, run, lengths, owners in runs:
                 for part, owner in zip(run, owners):
                     crcs[owner] = fmt.checksum(part, int(crcs[owner]))
-                _write_run(handle, position, run, lengths)
+                _write_run(handle, fd, position, run, lengths)
                 files.start_writeback(fd, position, sum(lengths))
                 os.sched_yield()
             os.fsync(fd)
