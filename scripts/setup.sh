@@ -70,12 +70,12 @@ if [ ! -x "$py" ]; then
 fi
 
 if ! "$py" -c "import torch, mpi4py, numpy, isal, pytest, pytest_mpi, pytest_timeout, tqdm, \
-matplotlib, mkdocs, mkdocstrings_handlers.python" >/dev/null 2>&1; then
+matplotlib, mkdocs, mkdocstrings_handlers.python, build" >/dev/null 2>&1; then
     log "installing torch, mpi4py, numpy, isal (fast checksums), the training job's tqdm and" \
-        "matplotlib, the test tools and mkdocs with mkdocstrings"
+        "matplotlib, the test tools, build (wheel and sdist) and mkdocs with mkdocstrings"
     "$py" -m pip install -q --upgrade pip
     "$py" -m pip install -q "torch==2.13.0" "mpi4py>=4" numpy isal tqdm matplotlib mkdocs \
-        mkdocstrings mkdocstrings-python pytest pytest-mpi pytest-timeout cython pkgconfig \
+        mkdocstrings mkdocstrings-python pytest pytest-mpi pytest-timeout build cython pkgconfig \
         setuptools wheel
 fi
 

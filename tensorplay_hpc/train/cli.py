@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from .config import COMM_HOOKS, DEVICES, INNER_OPTIMIZERS, OPTIMIZERS, TrainConfig, UsageError
+from .extras import require_train_extras
 from .preemption import EXIT_PREEMPTED, Preemption
 
 DESCRIPTION = f"""\
@@ -98,6 +99,10 @@ def run(args: argparse.Namespace) -> int:
 
     world = MPI.COMM_WORLD
     try:
+        require_train_extras()
+    except ImportError as error:  # the same environment, so the same on every rank
+        return _usage_error(error, world)
+    try:
         config = config_from(args)
         config.check_ranks(world.Get_size())
     except ValueError as error:
@@ -113,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         return _usage_error(error, world)
 
 
-def _usage_error(error: ValueError, world) -> int:
+def _usage_error(error: Exception, world) -> int:
     if world.Get_rank() == 0:
         print(f"tensorplay-hpc train: error: {error}", file=sys.stderr)
     return 2
