@@ -14,7 +14,7 @@ import warnings
 
 import numpy as np
 import torch
-from mpi4py import MPI
+from tensorplay_hpc.comm.mpi import MPI
 from torch.distributed.algorithms.model_averaging import averagers as torch_averagers
 
 from tensorplay_hpc.bench.gloo import init_gloo

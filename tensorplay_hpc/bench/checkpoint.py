@@ -21,7 +21,7 @@ from typing import Callable
 import h5py
 import numpy as np
 import torch
-from mpi4py import MPI
+from tensorplay_hpc.comm.mpi import MPI
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
 
 from tensorplay_hpc import checkpoint

@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.distributed as dist
-from mpi4py import MPI
 
 from tensorplay_hpc import comm
 from tensorplay_hpc.bench.gloo import init_gloo
 from tensorplay_hpc.bench.report import Report
 from tensorplay_hpc.bench.timing import compare
+from tensorplay_hpc.comm.mpi import MPI
 
 SIZES = (2**20, 2**24, 2**27)   # 1 MiB, 16 MiB, 128 MiB
 SMALL_TENSORS = 1000

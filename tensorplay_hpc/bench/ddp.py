@@ -19,13 +19,13 @@ import copy
 
 import numpy as np
 import torch
-from mpi4py import MPI
 
 from tensorplay_hpc.bench.gloo import init_gloo
 from tensorplay_hpc.bench.models import mlp
 from tensorplay_hpc.bench.report import Report
 from tensorplay_hpc.bench.timing import compare
 from tensorplay_hpc.comm import trace
+from tensorplay_hpc.comm.mpi import MPI
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from tensorplay_hpc.distributed.parallel import DistributedDataParallel
 

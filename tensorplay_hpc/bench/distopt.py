@@ -22,11 +22,11 @@ from typing import Callable, List, Sequence
 
 import numpy as np
 import torch
-from mpi4py import MPI
 
 from tensorplay_hpc.bench.gloo import set_rendezvous
 from tensorplay_hpc.bench.report import Report
 from tensorplay_hpc.comm import capabilities
+from tensorplay_hpc.comm.mpi import MPI
 from tensorplay_hpc.distributed import autograd, rma
 from tensorplay_hpc.distributed.optim import DistributedOptimizer
 

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch.distributed as dist
-from mpi4py import MPI
+
+from tensorplay_hpc.comm.mpi import MPI
 
 
 def _reachable_address() -> str:
@@ -23,9 +24,10 @@ def _reachable_address() -> str:
     return (outside or addresses or [name])[0]
 
 
-def rendezvous(comm: MPI.Intracomm = MPI.COMM_WORLD) -> Tuple[str, int]:
+def rendezvous(comm: Optional[MPI.Intracomm] = None) -> Tuple[str, int]:
     """An address of rank 0's host and a free TCP port there, broadcast to every rank of
-    ``comm``: where torch.distributed's store listens. Collective."""
+    ``comm`` (default ``MPI.COMM_WORLD``): where torch.distributed's store listens. Collective."""
+    comm = MPI.COMM_WORLD if comm is None else comm
     chosen = None
     if comm.Get_rank() == 0:
         with socket.socket() as s:
@@ -34,16 +36,17 @@ def rendezvous(comm: MPI.Intracomm = MPI.COMM_WORLD) -> Tuple[str, int]:
     return comm.bcast(chosen, root=0)
 
 
-def set_rendezvous(comm: MPI.Intracomm = MPI.COMM_WORLD) -> None:
+def set_rendezvous(comm: Optional[MPI.Intracomm] = None) -> None:
     """Set ``MASTER_ADDR`` and ``MASTER_PORT`` on every rank from :func:`rendezvous`. Collective."""
     address, port = rendezvous(comm)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = address, str(port)
 
 
-def init_gloo(comm: MPI.Intracomm = MPI.COMM_WORLD) -> None:
-    """Start torch.distributed (gloo) on the ranks of ``comm`` if not already started.
-    Collective."""
+def init_gloo(comm: Optional[MPI.Intracomm] = None) -> None:
+    """Start torch.distributed (gloo) on the ranks of ``comm`` (default ``MPI.COMM_WORLD``) if
+    not already started. Collective."""
     if dist.is_initialized():
         return
+    comm = MPI.COMM_WORLD if comm is None else comm
     set_rendezvous(comm)
     dist.init_process_group("gloo", rank=comm.Get_rank(), world_size=comm.Get_size())

@@ -23,7 +23,7 @@ import types
 from typing import Any, Callable, Dict, Iterable, List, Tuple
 
 import torch
-from mpi4py import MPI
+from tensorplay_hpc.comm.mpi import MPI
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
 
 from tensorplay_hpc.bench.gloo import init_gloo

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from typing import List, Optional
 
-from mpi4py import MPI
+from tensorplay_hpc.comm.mpi import MPI
 
 
 class Report:

@@ -6,7 +6,7 @@ import statistics
 import time
 from typing import Callable, List, Optional, Sequence
 
-from mpi4py import MPI
+from tensorplay_hpc.comm.mpi import MPI
 
 MIN_SAMPLE_S = 0.02   # calls shorter than this are timed in batches, so barrier skew washes out
 

@@ -10,7 +10,7 @@ from typing import List
 
 import numpy as np
 import torch
-from mpi4py import MPI
+from tensorplay_hpc.comm.mpi import MPI
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
 
 from tensorplay_hpc.bench.gloo import init_gloo

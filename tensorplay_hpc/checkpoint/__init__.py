@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Any, Dict, Optional
 
 import torch
-from mpi4py import MPI
 
 from tensorplay_hpc.comm import ProcessGroup, agree, resolve
+from tensorplay_hpc.comm.mpi import MPI
 
 from . import background, collector, restore, snapshot, writer
 from .background import AsyncCheckpointer, SaveHandle

@@ -17,10 +17,10 @@ import weakref
 from typing import Any, Callable, Dict, Optional
 
 import torch
-from mpi4py import MPI
 
 from tensorplay_hpc.comm import Closeable, ProcessGroup
 from tensorplay_hpc.comm.capabilities import ranks_below_multiple
+from tensorplay_hpc.comm.mpi import MPI
 
 from . import collector, snapshot, writer
 from .host_copy import HostBuffers

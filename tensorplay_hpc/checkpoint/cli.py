@@ -11,8 +11,8 @@ import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-from mpi4py import MPI
 
+from tensorplay_hpc.comm.mpi import MPI
 from tensorplay_hpc.distributed.optim.optimizer_class import check_optimizer_class
 
 from . import format as fmt

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
-from mpi4py import MPI
+from tensorplay_hpc.comm.mpi import MPI
 
 from tensorplay_hpc.comm import private_comm
 

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 import torch
-from mpi4py import MPI
 
 from tensorplay_hpc.comm import agree
+from tensorplay_hpc.comm.mpi import MPI
 
 from . import format as fmt
 from .optimizers import Checkpointable, adapter_for

@@ -7,9 +7,9 @@ from typing import Dict, List, Sequence
 
 import numpy as np
 import torch
-from mpi4py import MPI
 
 from tensorplay_hpc.comm import agree, broadcast, check_consistent
+from tensorplay_hpc.comm.mpi import MPI
 
 from . import format as fmt
 from .optimizers import assign_writers

@@ -8,9 +8,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-from mpi4py import MPI
 
 from tensorplay_hpc.comm import agree
+from tensorplay_hpc.comm.mpi import MPI
 
 from . import format as fmt
 from . import values

@@ -5,7 +5,7 @@ import sys
 import threading
 import traceback
 
-from mpi4py import MPI
+from .mpi import MPI
 
 
 def abort_on_exception(exit_code: int = 1) -> None:

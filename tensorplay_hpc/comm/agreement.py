@@ -6,7 +6,8 @@ import time
 from typing import Optional, Type
 
 import numpy as np
-from mpi4py import MPI
+
+from .mpi import MPI
 
 LONGEST_PAUSE_S = 1e-3
 """The longest sleep between two tests of :func:`quiet_barrier`."""

@@ -1,9 +1,9 @@
 """What the MPI library can do between the ranks of a communicator.
 
-The one place that knows: the thread level each rank runs at, whether the ranks share a node,
-and whether passive-target one-sided windows (``MPI.Win.Allocate``) work across them (Debian's
-Open MPI 4.1 over TCP has no one-sided component between nodes: ``Win.Allocate`` raises
-``MPI_ERR_WIN``). Every answer is agreed: the same on every rank of the communicator.
+The one place that knows: the thread level each rank runs at (:mod:`.library` says what
+raises it), whether the ranks share a node, and whether passive-target one-sided windows
+(``MPI.Win.Allocate``) work across them (Debian's Open MPI 4.1 over TCP has no one-sided
+component between nodes: ``Win.Allocate`` raises ``MPI_ERR_WIN``). Every answer is agreed: the same on every rank of the communicator.
 
 ``TENSORPLAY_HPC_RMA_TRANSPORT`` (``auto``, ``shared``, ``mpi`` or ``served``) overrides the
 transport remote tensors choose (see :mod:`tensorplay_hpc.distributed.rma.transport`).
@@ -13,27 +13,19 @@ from __future__ import annotations
 import os
 from typing import List
 
-from mpi4py import MPI
+from .library import thread_level, thread_level_name
+from .mpi import MPI
 
 TRANSPORT_ENV = "TENSORPLAY_HPC_RMA_TRANSPORT"
 TRANSPORTS = ("auto", "shared", "mpi", "served")
 
-_LEVEL_NAMES = {
-    MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE",
-    MPI.THREAD_FUNNELED: "MPI_THREAD_FUNNELED",
-    MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED",
-    MPI.THREAD_MULTIPLE: "MPI_THREAD_MULTIPLE",
-}
-
-
-def thread_level_name(level: int) -> str:
-    """``MPI_THREAD_SERIALIZED`` and so on, for messages."""
-    return _LEVEL_NAMES.get(level, f"thread level {level}")
+__all__ = ["TRANSPORTS", "TRANSPORT_ENV", "one_sided_works", "ranks_below_multiple",
+           "requested_transport", "thread_level_name", "thread_levels", "within_one_node"]
 
 
 def thread_levels(communicator: MPI.Intracomm) -> List[int]:
     """The thread level (``MPI.Query_thread``) of every rank, in rank order. Collective."""
-    return communicator.allgather(MPI.Query_thread())
+    return communicator.allgather(thread_level())
 
 
 def ranks_below_multiple(communicator: MPI.Intracomm) -> List[int]:

@@ -11,7 +11,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 import torch
-from mpi4py import MPI
+from .mpi import MPI
 from torch._utils import _unflatten_dense_tensors
 
 from . import trace

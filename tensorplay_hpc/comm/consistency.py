@@ -8,9 +8,9 @@ from typing import Any, Iterable, List, Sequence, Tuple
 
 import numpy as np
 import torch
-from mpi4py import MPI
 
 from .environment import read_once
+from .mpi import MPI
 
 DEBUG_ENV = "TENSORPLAY_HPC_DEBUG"
 

@@ -1,41 +1,18 @@
 """GPU support: is MPI CUDA-aware, and which GPU a rank uses.
 
 ``TENSORPLAY_HPC_CUDA_AWARE=1`` or ``0`` overrides the detection. Without an override, the MPI
-library is asked (Open MPI's ``MPIX_Query_cuda_support``), then the environment variables that
-Cray MPICH and MVAPICH2 use to switch GPU support on are read.
+library is asked (see :func:`tensorplay_hpc.comm.library.cuda_support`).
 """
 from __future__ import annotations
 
-import ctypes
-import functools
 import os
 from typing import Optional, Tuple
 
 import torch
-from mpi4py import MPI
+from . import library
+from .mpi import MPI
 
 CUDA_AWARE_ENV = "TENSORPLAY_HPC_CUDA_AWARE"
-
-
-def _query_library() -> Optional[bool]:
-    try:
-        query = ctypes.CDLL(None).MPIX_Query_cuda_support
-    except (OSError, AttributeError):
-        return None
-    query.restype = ctypes.c_int
-    return bool(query())
-
-
-@functools.lru_cache(maxsize=None)
-def _detected() -> Tuple[bool, str]:
-    answer = _query_library()
-    if answer is not None:
-        return answer, "the MPI library (MPIX_Query_cuda_support)"
-    for variable in ("MPICH_GPU_SUPPORT_ENABLED", "MV2_USE_CUDA"):
-        if os.environ.get(variable) == "1":
-            return True, f"{variable}=1"
-    return False, ("no answer from the MPI library, and neither MPICH_GPU_SUPPORT_ENABLED nor "
-                   "MV2_USE_CUDA is 1")
 
 
 def cuda_awareness() -> Tuple[bool, str]:
@@ -43,7 +20,7 @@ def cuda_awareness() -> Tuple[bool, str]:
     override = os.environ.get(CUDA_AWARE_ENV)
     if override is not None and override != "":
         return override.lower() in ("1", "true", "yes", "on"), f"{CUDA_AWARE_ENV}={override}"
-    return _detected()
+    return library.cuda_support()
 
 
 def is_cuda_aware() -> bool:

@@ -8,10 +8,38 @@ min and product are "and").
 from __future__ import annotations
 
 from enum import Enum
-from typing import Dict
+from typing import Any, Callable, Dict, Iterable, Tuple
 
 import torch
-from mpi4py import MPI
+
+from .mpi import MPI
+
+__all__ = ["NATIVE", "ReduceOp", "half_sum_op", "is_half", "move_datatype", "reduce_dtype",
+           "reduce_op"]
+
+
+class _Table(dict):
+    """A dict of MPI handles, filled at its first read (MPI handles exist once mpi4py.MPI is
+    imported, which initializes MPI)."""
+
+    def __init__(self, build: Callable[[], Iterable[Tuple[Any, Any]]]) -> None:
+        super().__init__()
+        self._build = build
+
+    def _fill(self) -> None:
+        self.update(self._build())
+        self._build = None
+
+    def __missing__(self, key: Any) -> Any:
+        if self._build is None:
+            raise KeyError(key)
+        self._fill()
+        return self[key]
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        if self._build is not None:
+            self._fill()
+        return dict.get(self, key, default)
 
 
 class ReduceOp(Enum):
@@ -24,7 +52,7 @@ class ReduceOp(Enum):
     MAX = "max"
 
 
-NATIVE = {   # the dtypes that MPI moves and reduces as they are
+NATIVE = _Table(lambda: {   # the dtypes that MPI moves and reduces as they are
     torch.float64: MPI.DOUBLE,
     torch.float32: MPI.FLOAT,
     torch.int64: MPI.INT64_T,
@@ -35,24 +63,24 @@ NATIVE = {   # the dtypes that MPI moves and reduces as they are
     torch.bool: MPI.C_BOOL,
     torch.complex64: MPI.C_FLOAT_COMPLEX,
     torch.complex128: MPI.C_DOUBLE_COMPLEX,
-}
+}.items())
 _HALF = (torch.float16, torch.bfloat16)
 _half_sums: Dict[torch.dtype, MPI.Op] = {}
 _reduce_ops: Dict[tuple, MPI.Op] = {}   # (dtype, ReduceOp): checked once, then looked up
 
-_ARITHMETIC = {
+_ARITHMETIC = _Table(lambda: {
     ReduceOp.SUM: MPI.SUM,
     ReduceOp.AVG: MPI.SUM,
     ReduceOp.PRODUCT: MPI.PROD,
     ReduceOp.MIN: MPI.MIN,
     ReduceOp.MAX: MPI.MAX,
-}
-_LOGICAL = {
+}.items())
+_LOGICAL = _Table(lambda: {
     ReduceOp.SUM: MPI.LOR,
     ReduceOp.MAX: MPI.LOR,
     ReduceOp.PRODUCT: MPI.LAND,
     ReduceOp.MIN: MPI.LAND,
-}
+}.items())
 
 
 def move_datatype(dtype: torch.dtype) -> MPI.Datatype:

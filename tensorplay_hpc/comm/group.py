@@ -5,7 +5,7 @@ import warnings
 import weakref
 from typing import Optional
 
-from mpi4py import MPI
+from .mpi import MPI
 
 from . import lifetime, watchdog
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
-from mpi4py import MPI
+from .mpi import MPI
 
 __all__ = ["NodeLayout"]
 

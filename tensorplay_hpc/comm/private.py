@@ -6,11 +6,11 @@ for library state): it is made on first use and released when the user frees the
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
-from mpi4py import MPI
-
 from .group import ProcessGroup, resolve
+from .mpi import MPI
 
 
 def _release(comm: MPI.Comm, keyval: int, group: ProcessGroup) -> None:
@@ -18,7 +18,9 @@ def _release(comm: MPI.Comm, keyval: int, group: ProcessGroup) -> None:
     group.close()
 
 
-_KEYVAL = MPI.Comm.Create_keyval(delete_fn=_release)
+@functools.lru_cache(maxsize=None)
+def _keyval() -> int:
+    return MPI.Comm.Create_keyval(delete_fn=_release)
 
 
 def private_comm(process_group: Optional[MPI.Comm] = None) -> MPI.Comm:
@@ -30,8 +32,8 @@ def private_comm(process_group: Optional[MPI.Comm] = None) -> MPI.Comm:
     parent = resolve(process_group)
     if parent == MPI.COMM_NULL:
         return MPI.COMM_NULL
-    group = parent.Get_attr(_KEYVAL)
+    group = parent.Get_attr(_keyval())
     if group is None:
         group = ProcessGroup(parent, owner="the library's cache on a user's communicator")
-        parent.Set_attr(_KEYVAL, group)
+        parent.Set_attr(_keyval(), group)
     return group.comm

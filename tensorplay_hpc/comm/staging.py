@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import List, Optional
 
 import torch
-from mpi4py import MPI
 
 from . import cuda
 from .dtypes import NATIVE, move_datatype, reduce_dtype
+from .mpi import MPI
 
 
 def needs_host_copy(tensor: torch.Tensor) -> bool:

@@ -24,7 +24,7 @@ from pathlib import Path
 from time import perf_counter
 from typing import Any, Deque, Dict, Iterator, List, Optional, Union
 
-from mpi4py import MPI
+from .mpi import MPI
 
 TRACE_ENV = "TENSORPLAY_HPC_TRACE"
 RECENT = 16

@@ -26,10 +26,10 @@ from contextlib import nullcontext
 from typing import ContextManager, Dict, List, Optional, Set, Tuple
 
 import numpy as np
-from mpi4py import MPI
 
 from . import trace
 from .capabilities import thread_level_name, thread_levels
+from .mpi import MPI
 
 TIMEOUT_ENV = "TENSORPLAY_HPC_COLLECTIVE_TIMEOUT"
 POLL_SECONDS = 0.1

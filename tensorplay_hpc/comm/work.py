@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Callable, List, Optional, Sequence
 
-from mpi4py import MPI
+from .mpi import MPI
 
 from .trace import Record
 from .watchdog import watched

@@ -6,11 +6,13 @@ import argparse
 import json
 
 DESCRIPTION = """\
-Print the versions of the package, torch, mpi4py and the MPI library; the MPI thread level;
-whether one-sided windows work within a node and across nodes for this launch (run it under
-mpiexec or srun with the ranks and nodes of your job to find out); CUDA-aware MPI and how it was
-detected; Open MPI's components; parallel HDF5; the launcher's variables; and every
-TENSORPLAY_HPC_* setting with its value and default."""
+Print the versions of the package, torch and mpi4py; the MPI library's family (Open MPI, MPICH,
+Intel MPI, Cray MPICH, MVAPICH), version and ABI; the MPI thread level, and below
+MPI_THREAD_MULTIPLE the variable that raises it; whether one-sided windows work within a node
+and across nodes for this launch (run it under mpiexec or srun with the ranks and nodes of your
+job to find out); CUDA-aware MPI and how it was detected; Open MPI's components; parallel HDF5;
+the launcher's and the MPI library's variables; and every TENSORPLAY_HPC_* setting with its
+value and default."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Collect the report on every rank; rank 0 prints it. Collective over MPI.COMM_WORLD."""
-    from mpi4py import MPI
+    from tensorplay_hpc.comm.mpi import MPI
 
     from .report import as_text, collect
     report = collect(MPI.COMM_WORLD)

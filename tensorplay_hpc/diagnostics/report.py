@@ -1,6 +1,7 @@
-"""The report of ``tensorplay-hpc env``: versions, what MPI can do for this launch (thread level,
-one-sided windows within and across nodes, CUDA-aware or not), Open MPI's components, parallel
-HDF5, the launcher's variables and the package's settings."""
+"""The report of ``tensorplay-hpc env``: versions, the MPI library (family, version, ABI), what
+MPI can do for this launch (thread level and what raises it, one-sided windows within and across
+nodes, CUDA-aware or not), Open MPI's components, parallel HDF5, the launcher's and the MPI
+library's variables and the package's settings."""
 from __future__ import annotations
 
 import os
@@ -13,17 +14,21 @@ from typing import Any, Dict, List, Optional
 
 import mpi4py
 import torch
-from mpi4py import MPI
 
 import tensorplay_hpc
-from tensorplay_hpc.comm import capabilities
+from tensorplay_hpc.comm import capabilities, library
 from tensorplay_hpc.comm.cuda import cuda_awareness
+from tensorplay_hpc.comm.mpi import MPI
 
 from . import settings
 
 _FRAMEWORKS = ("pml", "btl", "mtl", "osc", "coll")
 _LAUNCHER_PREFIXES = ("SLURM_", "OMPI_COMM_WORLD_", "OMPI_UNIVERSE_SIZE", "PMIX_RANK", "PMI_",
-                      "MPI4PY_", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
+                      "MPI4PY_", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "HYDRA_", "PRTE_")
+# The variables the MPI library reads (its transports' included): Open MPI's, or the MPICH
+# family's (Cray MPICH, Intel MPI and MVAPICH read MPICH's and their own).
+_OPEN_MPI_PREFIXES = ("OMPI_MCA_", "PRTE_MCA_", "PMIX_MCA_", "UCX_", "FI_")
+_MPICH_PREFIXES = ("MPICH_", "MPIR_CVAR_", "I_MPI_", "MV2_", "UCX_", "FI_")
 
 
 def _this_rank() -> Dict[str, Any]:
@@ -72,14 +77,24 @@ def _mca_parameters() -> Dict[str, str]:
     return found
 
 
+def _ompi_info() -> str:
+    """The ``ompi_info`` of the running library: beside its ``lib`` folder, else on PATH."""
+    path = library.library_path()
+    if path:
+        beside = os.path.join(os.path.dirname(os.path.dirname(path)), "bin", "ompi_info")
+        if os.access(beside, os.X_OK):
+            return beside
+    return "ompi_info"
+
+
 def _ompi_info_path(name: str) -> Optional[str]:
-    output = _run(["ompi_info", "--path", name])
+    output = _run([_ompi_info(), "--path", name])
     match = re.search(r":\s*(\S+)", output or "")
     return match.group(1) if match else None
 
 
 def _run(command: List[str]) -> Optional[str]:
-    if shutil.which(command[0]) is None:
+    if shutil.which(command[0]) is None and not os.access(command[0], os.X_OK):
         return None
     try:
         return subprocess.run(command, capture_output=True, text=True, timeout=60).stdout
@@ -98,9 +113,9 @@ def _selected(installed: List[str], parameter: Optional[str]) -> List[str]:
 
 
 def _open_mpi() -> Optional[Dict[str, Any]]:
-    if "Open MPI" not in MPI.Get_library_version():
+    if library.family() != "open-mpi":
         return None
-    listing = _run(["ompi_info"]) or ""
+    listing = _run([_ompi_info()]) or ""
     parameters = _mca_parameters()
     frameworks = {}
     for framework in _FRAMEWORKS:
@@ -110,11 +125,13 @@ def _open_mpi() -> Optional[Dict[str, Any]]:
     return {"components": frameworks, "mca_parameters": parameters}
 
 
-def collect(world: MPI.Intracomm = MPI.COMM_WORLD) -> Dict[str, Any]:
+def collect(world: Optional[MPI.Intracomm] = None) -> Dict[str, Any]:
     """The report, complete on rank 0 (the other ranks get theirs too). Collective over
-    ``world``: each rank tells its host, thread level and GPUs, and windows are tried within
-    each node and across nodes."""
+    ``world`` (default ``MPI.COMM_WORLD``): each rank tells its host, thread level and GPUs,
+    and windows are tried within each node and across nodes."""
+    world = MPI.COMM_WORLD if world is None else world
     ranks = world.allgather(_this_rank())
+    below = world.allreduce(library.thread_level() < MPI.THREAD_MULTIPLE, op=MPI.LOR)
     windows = _windows(world)
     aware, source = cuda_awareness()
     hosts = list(dict.fromkeys(r["host"] for r in ranks))
@@ -124,10 +141,13 @@ def collect(world: MPI.Intracomm = MPI.COMM_WORLD) -> Dict[str, Any]:
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
         "mpi4py": mpi4py.__version__,
-        "mpi": {"library": MPI.Get_library_version().strip("\x00 \n").splitlines()[0],
+        "mpi": {"library": library.version_text().splitlines()[0],
+                "family": library.family(), "version": library.version(), "abi": library.abi(),
+                "path": library.library_path(),
                 "standard": "{}.{}".format(*MPI.Get_version()),
                 "thread_level_requested": mpi4py.rc.thread_level,
-                "thread_levels": sorted({r["thread_level"] for r in ranks})},
+                "thread_levels": sorted({r["thread_level"] for r in ranks}),
+                "thread_variable": library.thread_variable() if below else None},
         "launch": {"ranks": world.Get_size(), "nodes": len(hosts), "hosts": hosts,
                    "ranks_per_host": {h: sum(r["host"] == h for r in ranks) for h in hosts},
                    "gpus_per_rank": sorted({r["gpus"] for r in ranks})},
@@ -138,10 +158,23 @@ def collect(world: MPI.Intracomm = MPI.COMM_WORLD) -> Dict[str, Any]:
         "hdf5": _hdf5(),
         "launcher_variables": {k: v for k, v in sorted(os.environ.items())
                                if k.startswith(_LAUNCHER_PREFIXES)},
+        "library_variables": {k: v for k, v in sorted(os.environ.items())
+                              if k.startswith(_OPEN_MPI_PREFIXES if library.family() == "open-mpi"
+                                              else _MPICH_PREFIXES)},
         "settings": [{"name": s.name, "value": value, "default": s.default,
                       "meaning": s.meaning} for s, value in settings.current()],
         "unknown_settings": settings.unknown(),
     }
+
+
+def _thread_advice(mpi: Dict[str, Any]) -> str:
+    if mpi["thread_levels"] == ["MPI_THREAD_MULTIPLE"]:
+        return ""
+    if mpi["thread_variable"]:
+        return (f"\n                  below MPI_THREAD_MULTIPLE: background work runs in the "
+                f"foreground; set {mpi['thread_variable']} in the job's environment")
+    return ("\n                  below MPI_THREAD_MULTIPLE, and no variable raises it: this "
+            f"{mpi['family']} library was built without thread support")
 
 
 def _yes(value: Optional[bool], none: str) -> str:
@@ -158,12 +191,15 @@ def as_text(report: Dict[str, Any]) -> str:
         f"  torch    {report['torch']} (CUDA build: {report['torch_cuda'] or 'none'})",
         f"  mpi4py   {report['mpi4py']}",
         f"  MPI      {mpi['library']} (MPI {mpi['standard']})",
+        f"           family {mpi['family']}, version {mpi['version'] or '-'}, "
+        f"ABI {mpi['abi']}, {mpi['path'] or 'library file not found'}",
         "",
         "this launch",
         f"  ranks           {launch['ranks']} on {launch['nodes']} node(s): "
         + ", ".join(f"{h} ({n})" for h, n in launch["ranks_per_host"].items()),
         f"  thread level    {', '.join(mpi['thread_levels'])} "
-        f"(mpi4py asks for {mpi['thread_level_requested']})",
+        f"(mpi4py asks for {mpi['thread_level_requested']})"
+        + _thread_advice(mpi),
         f"  windows         within a node: {_yes(windows['within_a_node'], '-')}; across "
         f"nodes: {_yes(windows['across_nodes'], 'one node only, not probed')}",
         f"  GPUs per rank   {', '.join(map(str, launch['gpus_per_rank']))}",
@@ -183,6 +219,8 @@ def as_text(report: Dict[str, Any]) -> str:
                          f"{c['parameter'] or '-'}; {','.join(c['candidates']) or '-'}")
     lines += ["", "launcher variables"]
     lines += [f"  {k}={v}" for k, v in report["launcher_variables"].items()] or ["  none"]
+    lines += ["", "MPI library variables"]
+    lines += [f"  {k}={v}" for k, v in report["library_variables"].items()] or ["  none"]
     lines += ["", "settings"]
     width = max(len(s["name"]) for s in report["settings"])
     for s in report["settings"]:

@@ -21,7 +21,8 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
-from mpi4py import MPI
+
+from tensorplay_hpc.comm.mpi import MPI
 
 if TYPE_CHECKING:
     from tensorplay_hpc.distributed.rma import RemoteRef

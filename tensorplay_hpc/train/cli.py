@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     # Catch the signals before the slow setup, so one sent during it still counts, and until the
     # process ends, so one sent just after the last step cannot kill a finished rank.
     preemption = Preemption().install()
-    from mpi4py import MPI
+    from tensorplay_hpc.comm.mpi import MPI
 
     from tensorplay_hpc.comm import abort_on_exception, watchdog
 

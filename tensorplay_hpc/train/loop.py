@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
 import torch
-from mpi4py import MPI
 
 from tensorplay_hpc import checkpoint, comm
 from tensorplay_hpc.comm import trace
+from tensorplay_hpc.comm.mpi import MPI
 
 from . import strategy as strategies
 from .config import TrainConfig, UsageError
@@ -85,7 +85,8 @@ class Run(comm.Closeable):
     manager) on every rank.
     """
 
-    def __init__(self, config: TrainConfig, world: MPI.Intracomm = MPI.COMM_WORLD) -> None:
+    def __init__(self, config: TrainConfig, world: Optional[MPI.Intracomm] = None) -> None:
+        world = MPI.COMM_WORLD if world is None else world
         _check_run_folder(config, world)
         if config.trace is not None:
             trace.enable(config.trace)
@@ -332,7 +333,7 @@ class Run(comm.Closeable):
         self._say(f"checkpoints: {config.checkpoint_dir} (latest {outcome.checkpoint})")
 
 
-def train(config: TrainConfig, world: MPI.Intracomm = MPI.COMM_WORLD,
+def train(config: TrainConfig, world: Optional[MPI.Intracomm] = None,
           preemption: Optional[Preemption] = None) -> Outcome:
     """Build a :class:`Run` for ``config`` and train, on every rank of ``world``. Collective.
 

@@ -8,7 +8,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Dict, Optional
 
 if TYPE_CHECKING:
-    from mpi4py import MPI
+    from tensorplay_hpc.comm.mpi import MPI
 
 EXIT_PREEMPTED = 85
 """Exit status of a run that stopped on a signal after writing its checkpoint: resume it."""

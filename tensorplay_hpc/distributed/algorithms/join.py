@@ -21,9 +21,9 @@ from types import TracebackType
 from typing import Any, List, NamedTuple, Optional, Type
 
 import torch
-from mpi4py import MPI
 
 from tensorplay_hpc import comm
+from tensorplay_hpc.comm.mpi import MPI
 
 __all__ = ["Join", "JoinHook", "Joinable"]
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import List, Sequence, Tuple, Union
 
 import torch
-from mpi4py import MPI
 
 from tensorplay_hpc import comm
+from tensorplay_hpc.comm.mpi import MPI
 
 Segment = Tuple[int, int, int]
 """``(k, start, stop)``: elements ``start:stop`` of a rank's ``k``-th parameter, flattened."""

@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-from mpi4py import MPI
 
 from tensorplay_hpc import comm
+from tensorplay_hpc.comm.mpi import MPI
 
 State = Dict[int, Dict[Any, Any]]
 Stream = Tuple[torch.dtype, torch.device, bool]

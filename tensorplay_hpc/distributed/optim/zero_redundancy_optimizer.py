@@ -55,7 +55,7 @@ from itertools import chain
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Type
 
 import torch
-from mpi4py import MPI
+from tensorplay_hpc.comm.mpi import MPI
 from torch.optim import Optimizer
 
 from tensorplay_hpc import comm

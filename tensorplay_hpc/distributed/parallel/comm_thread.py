@@ -9,7 +9,8 @@ import time
 from typing import Callable, Optional
 
 import torch
-from mpi4py import MPI
+
+from tensorplay_hpc.comm.mpi import MPI
 
 POLL_SECONDS = 2e-4
 

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, List, Optional
 
 import torch
-from mpi4py import MPI
+from tensorplay_hpc.comm.mpi import MPI
 from torch.utils._pytree import tree_map
 
 from tensorplay_hpc import comm

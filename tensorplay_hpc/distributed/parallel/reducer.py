@@ -34,7 +34,7 @@ import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
-from mpi4py import MPI
+from tensorplay_hpc.comm.mpi import MPI
 from torch.utils._pytree import tree_leaves
 
 from tensorplay_hpc import comm

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 
-from mpi4py import MPI
+from tensorplay_hpc.comm.mpi import MPI
 
 
 def poll() -> None:

@@ -25,11 +25,11 @@ from typing import Iterator, Optional, Tuple
 
 import numpy as np
 import torch
-from mpi4py import MPI
 
 from tensorplay_hpc import comm
 from tensorplay_hpc.comm import trace
 from tensorplay_hpc.comm.dtypes import move_datatype
+from tensorplay_hpc.comm.mpi import MPI
 
 from .locks import LockManager
 from .window import check_accumulable, check_transferable
@@ -41,17 +41,17 @@ LOCK_SHARED, LOCK_EXCLUSIVE, UNLOCK, GET, PUT, ACCUMULATE, FLUSH, STOP = range(8
 HEADER = 6  # operation, byte offset, elements, dtype code, chunk limit, reduction code
 _DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
-_REDUCTIONS = ((MPI.SUM, torch.Tensor.add_), (MPI.REPLACE, torch.Tensor.copy_),
-               (MPI.PROD, torch.Tensor.mul_),
-               (MPI.MAX, lambda target, value: torch.maximum(target, value, out=target)),
-               (MPI.MIN, lambda target, value: torch.minimum(target, value, out=target)))
+_REDUCTIONS = (("SUM", torch.Tensor.add_), ("REPLACE", torch.Tensor.copy_),
+               ("PROD", torch.Tensor.mul_),
+               ("MAX", lambda target, value: torch.maximum(target, value, out=target)),
+               ("MIN", lambda target, value: torch.minimum(target, value, out=target)))
 _LOCAL = -1  # the holder name of this rank's own application thread
 _IDLE_WAIT = (2e-5, 1e-3)  # the service thread's polling interval grows between these
 
 
 def _reduction_code(op: MPI.Op) -> int:
     for code, (known, _) in enumerate(_REDUCTIONS):
-        if op == known:
+        if op == getattr(MPI, known):
             return code
     raise TypeError("a served window accumulates with MPI.SUM, REPLACE, PROD, MAX or MIN only")
 
@@ -131,13 +131,13 @@ class ServedWindow:
             self._stream(self._comm.Send, tensor, rank, TO_SERVICE)
 
     def accumulate(self, tensor: torch.Tensor, rank: int, offset: int,
-                   op: MPI.Op = MPI.SUM) -> None:
+                   op: Optional[MPI.Op] = None) -> None:
         """Combine ``tensor`` into ``rank``'s values at ``offset`` with ``op``, atomically with
         respect to other accumulates; complete at the target once the epoch ends or is flushed.
         16-bit floats must be converted to their reduction dtype first, as for MPI windows."""
         local = self._checked(tensor, rank, offset)
         check_accumulable(tensor, self.rank)
-        code = _reduction_code(op)
+        code = _reduction_code(MPI.SUM if op is None else op)
         if rank == self.rank:
             self._combine(local, tensor.view(-1), code)
             return

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
-from mpi4py import MPI
+from tensorplay_hpc.comm.mpi import MPI
 
 from tensorplay_hpc import comm
 from tensorplay_hpc.comm.dtypes import move_datatype, reduce_dtype

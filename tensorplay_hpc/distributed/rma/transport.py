@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import List, Union
 
-from mpi4py import MPI
+from tensorplay_hpc.comm.mpi import MPI
 
 from tensorplay_hpc.comm import agree, capabilities, check_consistent
 from tensorplay_hpc.comm.capabilities import TRANSPORT_ENV, thread_level_name

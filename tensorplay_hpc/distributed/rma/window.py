@@ -19,11 +19,11 @@ from contextlib import contextmanager
 from typing import Dict, Iterator, Optional, Tuple
 
 import torch
-from mpi4py import MPI
 
 from tensorplay_hpc import comm
 from tensorplay_hpc.comm import lifetime, trace
 from tensorplay_hpc.comm.dtypes import move_datatype, reduce_dtype
+from tensorplay_hpc.comm.mpi import MPI
 
 
 def check_transferable(tensor: torch.Tensor, rank: int) -> None:
@@ -109,12 +109,13 @@ class Window:
         self._transfer("put to", self.win.Put, tensor, rank, offset)
 
     def accumulate(self, tensor: torch.Tensor, rank: int, offset: int,
-                   op: MPI.Op = MPI.SUM) -> None:
+                   op: Optional[MPI.Op] = None) -> None:
         """Start combining ``tensor`` into ``rank``'s values at ``offset`` with ``op``, element by
         element atomically with respect to other accumulates. 16-bit floats, which MPI cannot add,
         must be converted to their :func:`~tensorplay_hpc.comm.dtypes.reduce_dtype` first."""
         check_accumulable(tensor, self.rank)
-        self._transfer("accumulate to", self.win.Accumulate, tensor, rank, offset, op=op)
+        self._transfer("accumulate to", self.win.Accumulate, tensor, rank, offset,
+                       op=MPI.SUM if op is None else op)
 
     @contextmanager
     def locked(self, rank: int, exclusive: bool = False) -> Iterator[None]:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any, Callable, List, Optional
 
 import torch
-from mpi4py import MPI
 
 from tensorplay_hpc import comm
+from tensorplay_hpc.comm.mpi import MPI
 from tensorplay_hpc.comm.private import private_comm
 
 __all__ = ["BucketWork", "allreduce_fut", "allreduce_hook", "bf16_compress_hook",

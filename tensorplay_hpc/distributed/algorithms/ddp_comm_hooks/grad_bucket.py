@@ -16,9 +16,9 @@ from __future__ import annotations
 from typing import Any, List, Optional, Sequence
 
 import torch
-from mpi4py import MPI
 
 from tensorplay_hpc import comm
+from tensorplay_hpc.comm.mpi import MPI
 
 __all__ = ["GradBucket", "result_done", "result_tensor"]
 

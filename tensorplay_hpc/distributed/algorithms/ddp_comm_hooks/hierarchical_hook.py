@@ -19,9 +19,9 @@ import warnings
 from typing import Callable, List, Optional
 
 import torch
-from mpi4py import MPI
 
 from tensorplay_hpc import comm
+from tensorplay_hpc.comm.mpi import MPI
 
 from .default_hooks import allreduce_fut
 

@@ -22,9 +22,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
-from mpi4py import MPI
 
 from tensorplay_hpc import comm
+from tensorplay_hpc.comm.mpi import MPI
 from tensorplay_hpc.comm.private import private_comm
 
 from .default_hooks import BucketWork, allreduce_fut

@@ -6,7 +6,7 @@ import warnings
 from abc import ABC, abstractmethod
 from typing import Optional
 
-from mpi4py import MPI
+from tensorplay_hpc.comm.mpi import MPI
 
 from tensorplay_hpc import comm
 

@@ -5,7 +5,7 @@ import warnings
 from collections import OrderedDict
 from typing import Dict, List, Optional
 
-from mpi4py import MPI
+from tensorplay_hpc.comm.mpi import MPI
 
 from tensorplay_hpc import comm
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
-from mpi4py import MPI
 
 from tensorplay_hpc import comm
 from tensorplay_hpc.comm import trace
 from tensorplay_hpc.comm.consistency import Item
 from tensorplay_hpc.comm.dtypes import reduce_dtype
+from tensorplay_hpc.comm.mpi import MPI
 from tensorplay_hpc.comm.private import private_comm
 
 __all__ = ["average_parameters", "average_parameters_or_parameter_groups",
