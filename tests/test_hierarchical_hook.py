@@ -62,14 +62,16 @@ def test_equals_a_flat_average_for_any_length_and_dtype(numel, dtype):
     torch.testing.assert_close(tensor.double(), expected / WORLD.size, rtol=tolerance, atol=0)
 
 
-def test_close_frees_its_three_communicators():
+def test_close_frees_its_four_communicators():
     gc.collect()                 # no other test's object is collected mid-test
     before = Counter(lifetime.open_objects())
     state = HierarchicalState()
     made = Counter(lifetime.open_objects()) - before
-    assert sum(made.values()) == 3 and set(made) == {   # the group, its node, across the nodes
+    # the group, its node, across the nodes, and the node again for the last phase
+    assert sum(made.values()) == 4 and set(made) == {
         e for e in made if e.startswith("HierarchicalState: communicator ")}
     assert state.node.Get_size() * state.across.Get_size() == WORLD.size
+    assert MPI.Comm.Compare(state.node, state.gather) == MPI.CONGRUENT
     state.close()
     assert not Counter(lifetime.open_objects()) - before
 

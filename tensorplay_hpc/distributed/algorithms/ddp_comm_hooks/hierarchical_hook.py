@@ -12,6 +12,11 @@ completed (DDP tests the handle during the backward pass, so the phases overlap 
 
 The result equals a flat allreduce up to the order of summation. The nodes must hold the same
 number of ranks; otherwise the hook warns once and averages with a flat allreduce.
+
+Nonblocking collectives on one communicator must start in the same order on every rank, but a
+phase starts when a test finds the previous one done, which differs between ranks. So each phase
+has a communicator of its own, and a bucket starts a phase only after every earlier bucket has
+started it: on each communicator the buckets then come in the same order everywhere.
 """
 from __future__ import annotations
 
@@ -40,12 +45,15 @@ class HierarchicalState(comm.Closeable):
 
     Attributes:
         layout: where the group's ranks sit (:class:`~tensorplay_hpc.comm.NodeLayout`).
+        node, across, gather: the communicators of the three phases (this rank's node; the ranks
+            at its node rank on every node; this rank's node again).
     """
 
     def __init__(self, process_group: Optional[MPI.Comm] = None) -> None:
         self._group = comm.ProcessGroup(process_group, owner="HierarchicalState")
         self.layout = comm.NodeLayout(self._group.comm)
         self._levels: List[comm.ProcessGroup] = []
+        self._last: Optional[_Phases] = None   # the bucket started most recently
         self.uneven = self.layout.node_size is None
         if self.uneven:
             warnings.warn(f"hierarchical_allreduce_hook: the nodes hold different numbers of "
@@ -53,7 +61,8 @@ class HierarchicalState(comm.Closeable):
                           "with a flat allreduce instead", stacklevel=2)
             return
         for color, key in ((self.layout.node, self.layout.node_rank),
-                           (self.layout.node_rank, self.layout.node)):
+                           (self.layout.node_rank, self.layout.node),
+                           (self.layout.node, self.layout.node_rank)):
             split = self._group.comm.Split(color, key)
             self._levels.append(comm.ProcessGroup(split, owner="HierarchicalState"))
             split.Free()
@@ -68,6 +77,11 @@ class HierarchicalState(comm.Closeable):
         """The ranks at this rank's node rank on every node, by node."""
         return self._levels[1].comm
 
+    @property
+    def gather(self) -> MPI.Intracomm:
+        """The ranks of this rank's node, by node rank (for the last phase)."""
+        return self._levels[2].comm
+
     def close(self) -> None:
         """Free the communicators. Collective; closing again does nothing."""
         for level in self._levels:
@@ -76,12 +90,17 @@ class HierarchicalState(comm.Closeable):
 
 
 class _Phases:
-    """Nonblocking phases run one after another; the result is ``tensor`` once all are done."""
+    """Nonblocking phases run one after another; the result is ``tensor`` once all are done.
+    Phase ``i > 0`` starts only once ``ahead`` (the bucket started before, if still running)
+    has started phase ``i``."""
 
-    def __init__(self, tensor: torch.Tensor, phases: List[Phase]) -> None:
+    def __init__(self, tensor: torch.Tensor, phases: List[Phase],
+                 ahead: Optional[_Phases]) -> None:
         self.tensor = tensor
-        self._phases = phases[::-1]
-        self._work = self._phases.pop()()
+        self._phases = phases
+        self._ahead = ahead
+        self._work = phases[0]()
+        self._started = 1
 
     def _advance(self, block: bool) -> bool:
         while True:
@@ -90,10 +109,17 @@ class _Phases:
                     self._work.wait()
                 elif not self._work.is_completed():
                     return False
-            if not self._phases:
                 self._work = None
+            if self._started == len(self._phases):
+                self._ahead = None
                 return True
-            self._work = self._phases.pop()()
+            ahead = self._ahead
+            if ahead is not None and ahead._started <= self._started:
+                ahead._advance(block)
+                if ahead._started <= self._started:
+                    return False
+            self._work = self._phases[self._started]()
+            self._started += 1
 
     def is_completed(self) -> bool:
         """Whether every phase has completed (starting the next one when the last is done)."""
@@ -118,14 +144,16 @@ def hierarchical_all_reduce(state: HierarchicalState, tensor: torch.Tensor) -> o
     group = state._group.comm
     if state.uneven:
         return allreduce_fut(group, tensor)
-    node, across = state.node, state.across
+    node, across, gather = state.node, state.across, state.gather
     counts = _parts(tensor.numel(), node.Get_size())
     part = tensor.new_empty(counts[node.Get_rank()])
     tensor.div_(group.Get_size())
-    return _Phases(tensor, [
+    state._last = _Phases(tensor, [
         lambda: comm.reduce_scatter(part, tensor, node, counts, async_op=True),
         lambda: comm.all_reduce(part, across, async_op=True),
-        lambda: comm.all_gather_v(tensor, counts, node, input=part, async_op=True)])
+        lambda: comm.all_gather_v(tensor, counts, gather, input=part, async_op=True)],
+        ahead=state._last)
+    return state._last
 
 
 def hierarchical_allreduce_hook(state: HierarchicalState, bucket) -> object:
