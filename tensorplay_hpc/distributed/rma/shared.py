@@ -4,10 +4,11 @@ from __future__ import annotations
 from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
-from tensorplay_hpc.comm.mpi import MPI
 
 from tensorplay_hpc import comm
+from tensorplay_hpc.comm import library
 from tensorplay_hpc.comm.dtypes import move_datatype, reduce_dtype
+from tensorplay_hpc.comm.mpi import MPI
 
 from .buffer_pool import empty
 from .layout import Layout
@@ -39,7 +40,7 @@ class SharedTensors(comm.Closeable):
     """
 
     def __init__(self, tensors: Sequence[torch.Tensor], process_group: Optional[MPI.Comm],
-                 progress_thread: bool) -> None:
+                 progress_thread: Optional[bool]) -> None:
         self._closed = False
         self._group = comm.ProcessGroup(process_group, owner="SharedTensors")
         self.rank, self.size = self._group.rank, self._group.size
@@ -51,7 +52,10 @@ class SharedTensors(comm.Closeable):
             move_datatype(tensor.dtype)
         if len({id(t) for t in self._tensors}) != len(self._tensors):
             raise ValueError(f"rma.share: rank {self.rank} lists the same tensor twice")
-        self.transport = choose(self._group.comm, progress_thread)
+        self.transport = choose(self._group.comm, bool(progress_thread))
+        if progress_thread is None:
+            progress_thread = (self.transport != "served" and library.target_progress_needed()
+                               and MPI.Query_thread() == MPI.THREAD_MULTIPLE)
         specs = [(tuple(t.shape), t.dtype) for t in self._tensors]
         gathered = self._group.comm.allgather(
             (specs, [t.requires_grad for t in self._tensors]))
@@ -71,7 +75,8 @@ class SharedTensors(comm.Closeable):
              for i, ((shape, dtype), requires_grad) in enumerate(zip(s, grads))]
             for owner, (s, grads) in enumerate(gathered)]
         self.refs: List[RemoteRef] = [ref for refs in self._by_rank for ref in refs]
-        self._progress = ProgressThread() if progress_thread else None
+        self._progress = (ProgressThread(communicator=self._group.comm) if progress_thread
+                          else None)
         self._group.comm.Barrier()  # every owner's values are in place before anyone reads
 
     def check_open(self) -> None:
@@ -169,7 +174,7 @@ class SharedTensors(comm.Closeable):
 
 
 def share(tensors: Iterable[torch.Tensor], process_group: Optional[MPI.Comm] = None,
-          progress_thread: bool = False) -> SharedTensors:
+          progress_thread: Optional[bool] = None) -> SharedTensors:
     """Expose this rank's ``tensors`` (possibly none) to the group in MPI windows. Collective.
 
     Args:
@@ -178,8 +183,11 @@ def share(tensors: Iterable[torch.Tensor], process_group: Optional[MPI.Comm] = N
             tensor objects, re-pointed), so the owner keeps reading them locally.
         process_group: an mpi4py intracommunicator; ``None`` is ``MPI.COMM_WORLD``.
         progress_thread: run a :class:`~.progress.ProgressThread` on this rank, for MPI
-            one-sided components that need the target to enter MPI (Open MPI's ``osc/pt2pt``;
-            not shared memory, nor served windows). Needs MPI_THREAD_MULTIPLE.
+            one-sided components that need the target to enter MPI (Open MPI's ``osc/pt2pt``,
+            the MPICH lineage; not served windows). Needs MPI_THREAD_MULTIPLE. ``None`` (the
+            default): where the library needs it
+            (:func:`tensorplay_hpc.comm.library.target_progress_needed`) and runs at
+            MPI_THREAD_MULTIPLE.
 
     Returns:
         A :class:`SharedTensors`: ``.refs`` is the flat list of references to every rank's
