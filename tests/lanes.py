@@ -1,8 +1,18 @@
 """The MPI library lane the tests run in (``TENSORPLAY_MPI``, see scripts/env.sh) and what it
 is expected to be."""
 import os
+import sys
 
-LANE = os.environ.get("TENSORPLAY_MPI", "system")
+
+def _lane() -> str:
+    # scripts/test.sh exports TENSORPLAY_MPI; `TENSORPLAY_MPI=NAME source scripts/env.sh` does
+    # not, but puts the lane's .venv-NAME first, whose Python runs the tests.
+    prefix = os.path.basename(sys.prefix)
+    return os.environ.get("TENSORPLAY_MPI") or (
+        prefix[len(".venv-"):] if prefix.startswith(".venv-") else "system")
+
+
+LANE = _lane()
 """``system`` (Debian's Open MPI 4.1), ``mpich``, ``impi`` or ``openmpi5``."""
 
 FAMILIES = {"system": "open-mpi", "mpich": "mpich", "impi": "intel-mpi", "openmpi5": "open-mpi"}

@@ -11,6 +11,7 @@ from mpi4py import MPI
 import tensorplay_hpc
 from tensorplay_hpc.diagnostics import settings
 from tensorplay_hpc.diagnostics.report import as_text, collect
+from lanes import ABIS, FAMILIES, LANE, LIBRARY_PREFIXES, PARALLEL_HDF5
 from launch import ONLY_UNDER_ONE_RANK, REPO, clean_env, single_rank
 
 WORLD = MPI.COMM_WORLD
@@ -23,13 +24,20 @@ def test_the_report_describes_this_launch():
     assert report["launch"]["hosts"] == hosts
     assert sum(report["launch"]["ranks_per_host"].values()) == WORLD.Get_size()
     assert report["mpi"]["thread_levels"] == ["MPI_THREAD_MULTIPLE"]
+    assert report["mpi"]["thread_variable"] is None
+    assert report["mpi"]["family"] == FAMILIES[LANE] and report["mpi"]["abi"] == ABIS[LANE]
+    assert report["mpi"]["library"].startswith(LIBRARY_PREFIXES[LANE])
+    assert report["mpi"]["version"] in report["mpi"]["library"]
     assert report["windows"]["within_a_node"] is True
     # Debian's Open MPI has no one-sided component between nodes over TCP.
     assert report["windows"]["across_nodes"] is (None if len(hosts) == 1 else False)
-    assert report["hdf5"]["parallel"] is True
+    assert report["hdf5"]["parallel"] is PARALLEL_HDF5
+    assert (report["open_mpi"] is not None) is (
+        FAMILIES[LANE] == "open-mpi" and WORLD.Get_rank() == 0)
     assert report["tensorplay_hpc"] == tensorplay_hpc.__version__
     text = as_text(report)
     assert f"ranks           {WORLD.Get_size()} on {len(hosts)} node(s)" in text
+    assert f"family {FAMILIES[LANE]}, version {report['mpi']['version']}, ABI {ABIS[LANE]}" in text
     assert "windows         within a node: yes; across nodes: " + (
         "one node only, not probed" if len(hosts) == 1 else "no") in text
 
@@ -54,5 +62,18 @@ def test_the_command_prints_json_with_the_settings_set():
     values = {s["name"]: s["value"] for s in report["settings"]}
     assert values["TENSORPLAY_HPC_DEBUG"] == "1" and values["TENSORPLAY_HPC_CUDA_AWARE"] is None
     assert report["unknown_settings"] == ["TENSORPLAY_HPC_DEGUB"]
-    assert report["open_mpi"]["components"]["btl"]["candidates"]
-    assert report["mpi"]["library"].startswith("Open MPI")
+    assert report["mpi"]["library"].startswith(LIBRARY_PREFIXES[LANE])
+    if FAMILIES[LANE] == "open-mpi":
+        assert report["open_mpi"]["components"]["btl"]["candidates"]
+    else:
+        assert report["open_mpi"] is None
+
+
+def test_below_multiple_the_report_names_the_variable_to_set():
+    report = collect(WORLD)
+    report["mpi"].update(thread_levels=["MPI_THREAD_SERIALIZED"], family="cray-mpich",
+                         thread_variable="MPICH_MAX_THREAD_SAFETY=multiple")
+    assert "set MPICH_MAX_THREAD_SAFETY=multiple in the job's environment" in as_text(report)
+    report["mpi"].update(family="open-mpi", thread_variable=None)
+    assert "no variable raises it: this open-mpi library was built without thread support" in (
+        as_text(report))
