@@ -1,5 +1,8 @@
 """The communication layer: the only code that turns tensors into MPI buffers.
 
+- :mod:`.mpi` is the package's handle on ``mpi4py.MPI``: MPI starts at first use, not at import;
+- :mod:`.library` knows the MPI library this process runs (family, version, ABI, thread level,
+  CUDA support): what differs between Open MPI, MPICH, Intel MPI, Cray MPICH and MVAPICH;
 - :mod:`.group` resolves process groups and holds the library's private communicator
   (:mod:`.private` caches one on a user's communicator); :mod:`.lifetime` is the rule for
   freeing the library's communicators and windows (``close()``, never the garbage collector);
@@ -20,7 +23,7 @@
 - :mod:`.capabilities` says what MPI can do between a communicator's ranks (thread level, one
   node, one-sided windows).
 """
-from . import capabilities
+from . import capabilities, library
 from .agreement import agree, quiet_barrier
 from .abort import abort_on_exception
 from .chunking import CHUNK_ENV, PIECE_ENV, chunk_elements, chunks, piece_elements
@@ -42,7 +45,7 @@ __all__ = [
     "ReduceOp", "Staged", "Work", "abort_on_exception", "agree", "all_gather", "all_gather_v",
     "all_reduce", "all_reduce_coalesced", "broadcast", "broadcast_coalesced", "capabilities",
     "check_consistent", "chunk_elements", "chunks", "device_for_rank", "gather", "gather_digests",
-    "group_by_dtype_device", "is_cuda_aware", "is_member", "local_rank", "memory",
+    "group_by_dtype_device", "is_cuda_aware", "is_member", "library", "local_rank", "memory",
     "pack_by_dtype_device", "piece_elements", "private_comm", "quiet_barrier", "reduce",
     "reduce_scatter", "resolve",
     "tensor_signature",
