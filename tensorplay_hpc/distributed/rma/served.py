@@ -214,11 +214,14 @@ class ServedWindow:
         header = np.empty(HEADER, dtype=np.int64)
         status = MPI.Status()
         while True:
-            request = self._comm.Irecv([header, MPI.INT64_T], MPI.ANY_SOURCE, REQUEST)
+            # A probe, then a receive from the sender it found (only this thread receives
+            # requests), not a pending Irecv from any source: MPICH 5 across nodes never
+            # completed such a receive while the application thread used the communicator.
             wait = _IDLE_WAIT[0]
-            while not request.Test(status):
+            while not self._comm.Iprobe(MPI.ANY_SOURCE, REQUEST, status):
                 time.sleep(wait)
                 wait = min(wait * 2, _IDLE_WAIT[1])
+            self._comm.Recv([header, MPI.INT64_T], status.Get_source(), REQUEST, status)
             operation, offset, numel, dtype, limit, reduction = (int(v) for v in header)
             source = status.Get_source()
             if operation == STOP:
