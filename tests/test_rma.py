@@ -7,9 +7,10 @@ import pytest
 import torch
 from mpi4py import MPI
 
+from lanes import LANE
 from launch import mpiexec, only_in_single_rank_run
 from tensorplay_hpc import comm
-from tensorplay_hpc.comm import capabilities
+from tensorplay_hpc.comm import capabilities, library
 from tensorplay_hpc.distributed import autograd, rma
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64]
@@ -119,6 +120,18 @@ def test_progress_thread_and_poll(world):
         assert [ref.to_here().item() for ref in shared.refs] == [
             2.0 * r for r in range(world.Get_size())]
         world.Barrier()
+
+
+def test_a_progress_thread_runs_by_default_where_the_library_needs_one(world, transport):
+    """The MPICH lineage serves one-sided operations only inside the target's MPI calls: each
+    rank then gets a progress thread unless asked not to; Open MPI's windows need none, nor do
+    served windows (they have a service thread)."""
+    needs = LANE in ("mpich", "impi")
+    assert library.target_progress_needed() == needs
+    with rma.share([torch.ones(2)]) as shared:
+        assert shared.progress_thread == (needs and shared.transport != "served")
+    with rma.share([torch.ones(2)], progress_thread=False) as shared:
+        assert not shared.progress_thread
 
 
 def test_backward_sends_each_trainers_gradients_to_its_own_slot(world, chunking, transport):

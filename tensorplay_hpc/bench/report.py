@@ -1,9 +1,11 @@
-"""Benchmark results: one JSON object per line as each comparison is measured, and a table."""
+"""Benchmark results: one JSON object per line as each comparison is measured, and a table.
+Every row names the MPI library it ran on (``library``: family and version)."""
 from __future__ import annotations
 
 import json
 from typing import List, Optional
 
+from tensorplay_hpc.comm import library
 from tensorplay_hpc.comm.mpi import MPI
 
 
@@ -14,11 +16,13 @@ class Report:
         self.repeat = repeat
         self.rows: List[dict] = []
         self.rank = MPI.COMM_WORLD.Get_rank()
+        self.library = f"{library.family()} {library.version() or ''}".strip()
 
     def add(self, bench: str, case: str, ours_s: float, baseline: str, baseline_s: float,
             nbytes: Optional[int] = None, ranks: Optional[int] = None, **extra) -> dict:
         """Record one comparison; ``speedup`` = baseline_s / ours_s (above 1: we are faster)."""
-        row = {"bench": bench, "case": case, "ranks": ranks or MPI.COMM_WORLD.Get_size()}
+        row = {"bench": bench, "case": case, "ranks": ranks or MPI.COMM_WORLD.Get_size(),
+               "library": self.library}
         if nbytes is not None:
             row["bytes"] = nbytes
         row.update(ours_s=ours_s, baseline=baseline, baseline_s=baseline_s,
@@ -43,14 +47,15 @@ class Report:
                  r["baseline"], f"{r['baseline_s'] * 1e3:.3f}", f"{r['speedup']:.2f}x",
                  *[_fmt(r.get(k)) for k in extra_keys]] for r in rows]
             widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-            print(f"\n{bench}")
+            print(f"\n{bench} ({self.library})")
             for i, line in enumerate(lines):
                 print("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip())
                 if i == 0:
                     print("  ".join("-" * w for w in widths))
 
 
-_FIXED = {"bench", "case", "ranks", "bytes", "ours_s", "baseline", "baseline_s", "speedup"}
+_FIXED = {"bench", "case", "ranks", "library", "bytes", "ours_s", "baseline", "baseline_s",
+          "speedup"}
 
 
 def _size(nbytes: Optional[int]) -> str:

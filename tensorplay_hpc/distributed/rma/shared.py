@@ -86,6 +86,11 @@ class SharedTensors(comm.Closeable):
                                "freed by close(), so its references cannot be used any more")
 
     @property
+    def progress_thread(self) -> bool:
+        """Whether this rank runs a :class:`~.progress.ProgressThread` for the windows."""
+        return self._progress is not None
+
+    @property
     def communicator(self) -> MPI.Intracomm:
         """The private communicator the windows were made on."""
         return self._group.comm
