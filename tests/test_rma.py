@@ -123,13 +123,16 @@ def test_progress_thread_and_poll(world):
 
 
 def test_a_progress_thread_runs_by_default_where_the_library_needs_one(world, transport):
-    """The MPICH lineage serves one-sided operations only inside the target's MPI calls: each
-    rank then gets a progress thread unless asked not to; Open MPI's windows need none, nor do
-    served windows (they have a service thread)."""
-    needs = LANE in ("mpich", "impi")
-    assert library.target_progress_needed() == needs
+    """The MPICH lineage serves one-sided operations only inside the target's MPI calls, and
+    every library does across nodes: each rank then gets a progress thread unless asked not
+    to; Open MPI's shared-memory windows need none, nor do served windows (they have a service
+    thread)."""
+    mpich_lineage = LANE in ("mpich", "impi")
+    assert library.target_progress_needed() == mpich_lineage
+    assert library.target_progress_needed(across_nodes=True)
     with rma.share([torch.ones(2)]) as shared:
-        assert shared.progress_thread == (needs and shared.transport != "served")
+        assert shared.progress_thread == (shared.transport == "mpi" or (
+            shared.transport == "shared" and mpich_lineage))
     with rma.share([torch.ones(2)], progress_thread=False) as shared:
         assert not shared.progress_thread
 

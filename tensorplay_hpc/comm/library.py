@@ -211,19 +211,22 @@ _ASYNC_PROGRESS_VARIABLES: Dict[str, Tuple[str, ...]] = {
 }
 
 
-def target_progress_needed() -> bool:
-    """Whether passive-target operations on a window wait for the target rank to enter MPI.
+def target_progress_needed(across_nodes: bool = False) -> bool:
+    """Whether passive-target operations on a window wait for the target rank to enter MPI,
+    between ranks on one node or, with ``across_nodes``, on different nodes.
 
-    Open MPI's one-sided components for shared memory and RDMA networks complete them alone
-    (its ``osc/pt2pt`` does not: :mod:`tensorplay_hpc.distributed.rma.transport` knows that
-    one). The MPICH lineage grants locks and applies accumulates in the target's progress
-    engine, shared memory included, unless its own progress thread is switched on (measured
-    with MPICH 5 and Intel MPI 2021: a lock on a rank computing outside MPI waits until it
-    calls MPI again). Unknown libraries are assumed to need it.
+    Within a node, Open MPI's shared-memory component completes them alone; the MPICH lineage
+    grants locks and applies accumulates in the target's progress engine, shared memory too,
+    unless its own progress thread is switched on (measured with MPICH 5 and Intel MPI 2021: a
+    lock on a rank computing outside MPI waited until it called MPI again). Across nodes on TCP
+    every library tested needs the target: Open MPI 4's ``osc/pt2pt`` and Open MPI 5's
+    ``osc/rdma`` over the TCP transport emulate one-sided operations with messages (Open MPI 5:
+    a busy owner saw none of its trainers' updates in 60 s), and so does MPICH's; on RDMA
+    networks a progress thread costs little. Unknown libraries are assumed to need it.
     """
     name = family()
-    if name == "open-mpi":
-        return False
     variables = _ASYNC_PROGRESS_VARIABLES.get(name, ())
-    return not any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
-                   for v in variables)
+    if any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+           for v in variables):
+        return False
+    return across_nodes or name != "open-mpi"

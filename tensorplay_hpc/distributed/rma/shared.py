@@ -54,7 +54,8 @@ class SharedTensors(comm.Closeable):
             raise ValueError(f"rma.share: rank {self.rank} lists the same tensor twice")
         self.transport = choose(self._group.comm, bool(progress_thread))
         if progress_thread is None:
-            progress_thread = (self.transport != "served" and library.target_progress_needed()
+            progress_thread = (self.transport != "served"
+                               and library.target_progress_needed(self.transport == "mpi")
                                and MPI.Query_thread() == MPI.THREAD_MULTIPLE)
         specs = [(tuple(t.shape), t.dtype) for t in self._tensors]
         gathered = self._group.comm.allgather(
@@ -191,8 +192,8 @@ def share(tensors: Iterable[torch.Tensor], process_group: Optional[MPI.Comm] = N
             one-sided components that need the target to enter MPI (Open MPI's ``osc/pt2pt``,
             the MPICH lineage; not served windows). Needs MPI_THREAD_MULTIPLE. ``None`` (the
             default): where the library needs it
-            (:func:`tensorplay_hpc.comm.library.target_progress_needed`) and runs at
-            MPI_THREAD_MULTIPLE.
+            (:func:`tensorplay_hpc.comm.library.target_progress_needed`; ``mpi`` windows count
+            as across nodes) and runs at MPI_THREAD_MULTIPLE.
 
     Returns:
         A :class:`SharedTensors`: ``.refs`` is the flat list of references to every rank's
