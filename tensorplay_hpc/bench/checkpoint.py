@@ -133,6 +133,7 @@ def _raw_write(path: str, nbytes: int, world: MPI.Intracomm, through: str,
                 f.create_dataset("data", shape=(n,), dtype=np.float32)[start:stop] = data
         else:
             handle = MPI.File.Open(world, path, MPI.MODE_WRONLY | MPI.MODE_CREATE)
+            handle.Set_size(0)   # a new file, as h5py's "w" and a checkpoint's are
             handle.Write_at_all(start * 4, data)
             handle.Close()
         if durable and world.rank == 0:
