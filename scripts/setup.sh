@@ -125,13 +125,18 @@ if [ -n "$wheel" ]; then
         python3 -m venv "$venv"
     fi
     lane_site=$("$py" -c "import sysconfig; print(sysconfig.get_path('purelib'))")
+    h5py_version=$("$root/.venv/bin/python" -c "import h5py; print(h5py.__version__)")
+    # Checked in the lane's own folder: .venv's packages are visible there too (the .pth below),
+    # .venv's h5py among them, built against the system MPI. PyPI's h5py wheel is serial.
+    distribution=$(echo "${wheel%%==*}" | tr - _)
+    if [ ! -d "$lane_site/$distribution-${wheel#*==}.dist-info" ] ||
+            [ ! -d "$lane_site/h5py-$h5py_version.dist-info" ]; then
+        log "installing $wheel and serial h5py $h5py_version into $venv"
+        "$py" -m pip install -q --no-deps --ignore-installed --only-binary=h5py "$wheel" \
+            "h5py==$h5py_version"
+    fi
     # Everything but the MPI library and h5py comes from .venv (processed after the lane's own).
     echo "import site; site.addsitedir('$base_site')" >"$lane_site/zz-tensorplay-base.pth"
-    h5py_version=$("$root/.venv/bin/python" -c "import h5py; print(h5py.__version__)")
-    if [ "$("$py" -m pip list --format=freeze 2>/dev/null | grep -ci "^\(${wheel%%==*}==${wheel#*==}\|h5py==$h5py_version\)$")" -ne 2 ]; then
-        log "installing $wheel and serial h5py $h5py_version into $venv"
-        "$py" -m pip install -q --no-deps "$wheel" "h5py==$h5py_version"
-    fi
 fi
 
 "$py" - <<'PY'
