@@ -19,7 +19,8 @@ from .mpi import MPI, THREAD_SAFETY_ENV, load
 
 __all__ = [
     "FAMILIES", "MPI4PY_THREAD_ENV", "abi", "cuda_support", "family", "library_path",
-    "parse_family", "parse_version", "target_progress_needed", "thread_level",
+    "parse_family", "parse_version", "pending_wildcard_receive_stalls",
+    "target_progress_needed", "thread_level",
     "thread_level_name", "thread_variable", "version", "version_text"
 ]
 
@@ -230,3 +231,11 @@ def target_progress_needed(across_nodes: bool = False) -> bool:
            for v in variables):
         return False
     return across_nodes or name != "open-mpi"
+
+
+def pending_wildcard_receive_stalls() -> bool:
+    """Whether a receive from any source, left pending on a communicator that another thread
+    also uses, may never complete. Seen with MPICH 5 between nodes (a served window's service
+    thread never received its clients' requests); Open MPI completes it, and probing first then
+    receiving from the rank found works with both."""
+    return family() != "open-mpi"

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from tensorplay_hpc import comm
-from tensorplay_hpc.comm import trace
+from tensorplay_hpc.comm import library, trace
 from tensorplay_hpc.comm.dtypes import move_datatype
 from tensorplay_hpc.comm.mpi import MPI
 
@@ -214,14 +214,7 @@ class ServedWindow:
         header = np.empty(HEADER, dtype=np.int64)
         status = MPI.Status()
         while True:
-            # A probe, then a receive from the sender it found (only this thread receives
-            # requests), not a pending Irecv from any source: MPICH 5 across nodes never
-            # completed such a receive while the application thread used the communicator.
-            wait = _IDLE_WAIT[0]
-            while not self._comm.Iprobe(MPI.ANY_SOURCE, REQUEST, status):
-                time.sleep(wait)
-                wait = min(wait * 2, _IDLE_WAIT[1])
-            self._comm.Recv([header, MPI.INT64_T], status.Get_source(), REQUEST, status)
+            self._receive_request(header, status)
             operation, offset, numel, dtype, limit, reduction = (int(v) for v in header)
             source = status.Get_source()
             if operation == STOP:
@@ -236,6 +229,23 @@ class ServedWindow:
                 self._reply(source)  # every earlier request of this source has been served
             else:
                 self._transfer(operation, source, offset, numel, _DTYPES[dtype], limit, reduction)
+
+    def _receive_request(self, header: np.ndarray, status: MPI.Status) -> None:
+        """Wait for the next request, polling with growing sleeps: a pending receive from any
+        rank, or, where the library may never complete one
+        (:func:`~tensorplay_hpc.comm.library.pending_wildcard_receive_stalls`), a probe, then a
+        receive from the rank found (only this thread receives requests)."""
+        wait = _IDLE_WAIT[0]
+        if library.pending_wildcard_receive_stalls():
+            while not self._comm.Iprobe(MPI.ANY_SOURCE, REQUEST, status):
+                time.sleep(wait)
+                wait = min(wait * 2, _IDLE_WAIT[1])
+            self._comm.Recv([header, MPI.INT64_T], status.Get_source(), REQUEST, status)
+            return
+        request = self._comm.Irecv([header, MPI.INT64_T], MPI.ANY_SOURCE, REQUEST)
+        while not request.Test(status):
+            time.sleep(wait)
+            wait = min(wait * 2, _IDLE_WAIT[1])
 
     def _reply(self, rank: int) -> None:
         self._comm.Send([np.zeros(1, dtype=np.int64), MPI.INT64_T], rank, REPLY)
