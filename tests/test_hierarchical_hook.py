@@ -13,7 +13,7 @@ from mpi4py import MPI
 
 from tensorplay_hpc import comm
 from tensorplay_hpc.bench.network import bytes_sent
-from tensorplay_hpc.comm import lifetime
+from tensorplay_hpc.comm import library, lifetime
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_fut
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.hierarchical_hook import (
     HierarchicalState, hierarchical_all_reduce, hierarchical_allreduce_hook)
@@ -128,6 +128,9 @@ def test_across_nodes_each_node_sends_a_bucket_once_not_once_per_rank():
             state, lambda: hierarchical_all_reduce(state, tensor).wait(), steps)
     nbytes = 4 * numel * steps
     # Two nodes: each must send the other its sum once; TCP and MPI headers add a few percent.
-    # Open MPI's flat allreduce here sends 3 buckets between 2 nodes (2 from the first node).
+    # Open MPI's flat allreduce here sends 3 buckets between 2 nodes (2 from the first node);
+    # MPICH's is node-aware already (its SMP collectives), and sends what the hook sends.
     assert nbytes <= node < 1.1 * nbytes, (node, total, flat)
-    assert total < 1.1 * nodes * nbytes and total < 0.8 * flat, (node, total, flat)
+    assert total < 1.1 * nodes * nbytes and total < 1.02 * flat, (node, total, flat)
+    if library.family() == "open-mpi":
+        assert total < 0.8 * flat, (node, total, flat)
