@@ -407,3 +407,96 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], comm: MPI.Intracomm, ro
     for indices, flat in pack_by_dtype_device(tensors).values():
         broadcast(flat.buffer, comm, root)
         flat.copy_to([tensors[i] for i in indices])
+
+
+def all_to_all_v(output: torch.Tensor, input: torch.Tensor, comm: MPI.Intracomm,
+                 output_counts: Optional[Sequence[int]] = None,
+                 input_counts: Optional[Sequence[int]] = None,
+                 async_op: bool = False) -> Optional[Work]:
+    """Send part ``r`` of ``input`` (flattened) to rank ``r`` and receive rank ``r``'s part for
+    this rank into part ``r`` of ``output``. Parts have the given element counts (equal parts
+    when ``None``). Messages longer than the chunk limit go point to point, chunk by chunk."""
+    if not isinstance(output, torch.Tensor) or not isinstance(input, torch.Tensor):
+        _refuse("all_to_all", comm, output, input)
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if input.dtype != output.dtype:
+        raise TypeError(f"all_to_all: input is {input.dtype}, output {output.dtype} (rank {rank})")
+    counts = []
+    for given, tensor, side in ((input_counts, input, "input"), (output_counts, output, "output")):
+        if given is None or len(given) == 0:
+            if tensor.numel() % size:
+                raise ValueError(f"all_to_all: the {side}'s {tensor.numel()} elements do not "
+                                 f"split evenly over {size} ranks (rank {rank})")
+            given = [tensor.numel() // size] * size
+        counts.append(_check_counts(given, comm, tensor.numel(), f"all_to_all {side}"))
+    send_counts, recv_counts = counts
+    send, recv = Staged(input), Staged(output, copy_in=False)
+    if debug_enabled():
+        check_collective(comm, "all_to_all", dtype=input.dtype)
+    send_displs, recv_displs = _displacements(send_counts), _displacements(recv_counts)
+    requests = []
+    record = trace.collective("all_to_all", comm, input.nbytes, async_op)
+    with watched("all_to_all", comm, record):
+        if max(send_counts + recv_counts, default=0) <= chunk_elements() and \
+                max(send_displs + recv_displs, default=0) <= chunk_elements():
+            messages = ([send.buf()[0], (send_counts, send_displs), send.datatype],
+                        [recv.buf()[0], (recv_counts, recv_displs), recv.datatype])
+            if async_op:
+                requests.append(comm.Ialltoallv(*messages))
+            else:
+                comm.Alltoallv(*messages)
+        else:  # too long for one call: every pair exchanges its part, chunk by chunk
+            for peer in range(size):
+                for start, n in chunks(recv_counts[peer]):
+                    requests.append(comm.Irecv(recv.buf(recv_displs[peer] + start, n), peer))
+                for start, n in chunks(send_counts[peer]):
+                    requests.append(comm.Isend(send.buf(send_displs[peer] + start, n), peer))
+            if not async_op:
+                MPI.Request.Waitall(requests)
+                requests = []
+    return complete(requests, recv.finish, async_op, keep=[send], operation="all_to_all",
+                    comm=comm, record=record)
+
+
+def scatter(output: torch.Tensor, input: Optional[torch.Tensor], comm: MPI.Intracomm,
+            root: int = 0, async_op: bool = False) -> Optional[Work]:
+    """Send part ``r`` of ``input`` (flattened, on rank ``root`` only) into ``output`` on rank
+    ``r``; every part has ``output``'s element count."""
+    if not isinstance(output, torch.Tensor) or not isinstance(input, (torch.Tensor, type(None))):
+        _refuse("scatter", comm, output, input)
+    size, rank = comm.Get_size(), comm.Get_rank()
+    count = output.numel()
+    if rank == root and (input is None or input.numel() != size * count):
+        raise ValueError(f"scatter: the root needs {size} x {count} elements to send, got "
+                         f"{None if input is None else input.numel()} (rank {rank})")
+    send = Staged(input) if rank == root else None
+    recv = Staged(output, copy_in=False)
+    if debug_enabled():
+        check_collective(comm, "scatter", count=count, dtype=output.dtype, root=root)
+    requests = []
+    record = trace.collective("scatter", comm, output.nbytes, async_op)
+    with watched("scatter", comm, record):
+        for start, n in chunks(count):
+            sent = None
+            if send is not None:   # part r, chunk [start, start + n), for every rank r
+                sent = [send.buf()[0], ([n] * size, [r * count + start for r in range(size)]),
+                        send.datatype]
+            if async_op:
+                requests.append(comm.Iscatterv(sent, recv.buf(start, n), root))
+            else:
+                comm.Scatterv(sent, recv.buf(start, n), root)
+    return complete(requests, recv.finish, async_op, keep=[send], operation="scatter",
+                    comm=comm, record=record)
+
+
+def barrier(comm: MPI.Intracomm, async_op: bool = False) -> Optional[Work]:
+    """Return once every rank of ``comm`` has called this."""
+    requests = []
+    record = trace.collective("barrier", comm, 0, async_op)
+    with watched("barrier", comm, record):
+        if async_op:
+            requests.append(comm.Ibarrier())
+        else:
+            comm.Barrier()
+    return complete(requests, lambda: None, async_op, operation="barrier", comm=comm,
+                    record=record)

@@ -16,13 +16,14 @@ class Work:
     def __init__(self, requests: Sequence[MPI.Request] = (),
                  then: Optional[Callable[[], object]] = None, keep: Sequence[object] = (),
                  operation: str = "", comm: Optional[MPI.Intracomm] = None,
-                 record: Optional[Record] = None) -> None:
+                 record: Optional[Record] = None, source: Optional[int] = None) -> None:
         self._requests: List[MPI.Request] = list(requests)
         self._then = then
         self._keep = list(keep)   # buffers MPI may still read: alive until completion
         self._done = False
         self._watch = (operation, comm)
         self._record = record   # the trace's entry, ended on completion
+        self.source = source   # the sending rank, for a receive
 
     def _complete(self) -> None:
         self._done = True

@@ -1,0 +1,62 @@
+"""Rendezvous over MPI: torch.distributed learns its ranks from MPI and gets an
+:class:`~.store.MPIStore`, with no address, port or TCP server.
+
+``init_method="mpi4py://"`` asks for it explicitly. The default ``env://`` asks for it too when
+``MASTER_ADDR`` is not set (where PyTorch would fail): under ``mpiexec`` or ``srun`` a plain
+``dist.init_process_group("mpi4py")`` then works, and so does ``"gloo"``.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from datetime import timedelta
+from typing import Any, Callable, Iterator, Optional, Tuple
+
+import torch.distributed as dist
+
+from tensorplay_hpc.comm.mpi import MPI
+
+from .store import MPIStore
+
+__all__ = ["SCHEME", "install"]
+
+SCHEME = "mpi4py"
+"""``init_method="mpi4py://"``."""
+
+
+def _over_mpi(url: str, timeout: Optional[timedelta] = None, rank: int = -1,
+              world_size: int = -1, **kwargs: Any) -> Iterator[Tuple[dist.Store, int, int]]:
+    """Yield an MPI store over ``MPI.COMM_WORLD``, this process's rank and the world size;
+    a ``rank`` or ``world_size`` the caller gave must agree with MPI's."""
+    world = MPI.COMM_WORLD
+    mpi_rank, mpi_size = world.Get_rank(), world.Get_size()
+    for given, actual, name in ((rank, mpi_rank, "rank"), (world_size, mpi_size, "world_size")):
+        if given not in (-1, None) and int(given) != actual:
+            raise ValueError(f"init_process_group: {name}={given} but MPI says {actual} "
+                             f"(MPI world rank {mpi_rank} of {mpi_size}): under MPI leave "
+                             f"rank and world_size out")
+    store = MPIStore(world, timeout) if timeout is not None else MPIStore(world)
+    yield store, mpi_rank, mpi_size
+    raise RuntimeError("the MPI rendezvous happens once per process group")
+
+
+def _env_or_mpi(original: Callable[..., Iterator]) -> Callable[..., Iterator]:
+    def handler(url: str, **kwargs: Any) -> Iterator:
+        if "MASTER_ADDR" in os.environ:
+            return original(url, **kwargs)
+        return _over_mpi(url, **kwargs)
+    handler.over_mpi = True   # type: ignore[attr-defined]
+    return handler
+
+
+def install() -> None:
+    """Register ``mpi4py://`` and let ``env://`` fall back on MPI. Local; idempotent; does not
+    start MPI."""
+    # The module, not the function torch.distributed exports under the same name.
+    torch_rendezvous = importlib.import_module("torch.distributed.rendezvous")
+    handlers = torch_rendezvous._rendezvous_handlers
+    if SCHEME not in handlers:
+        torch_rendezvous.register_rendezvous_handler(SCHEME, _over_mpi)
+    env = handlers.get("env")
+    if env is not None and not getattr(env, "over_mpi", False):
+        handlers["env"] = _env_or_mpi(env)
