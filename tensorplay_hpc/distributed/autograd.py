@@ -23,9 +23,12 @@ from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Sequence, Set,
 import torch
 
 from tensorplay_hpc.comm.mpi import MPI
+from tensorplay_hpc.distributed.rma.reference import register_fetch_hook
 
 if TYPE_CHECKING:
     from tensorplay_hpc.distributed.rma import RemoteRef
+
+__all__ = ["DistAutogradContext", "backward", "context", "get_gradients", "retrieve_context"]
 
 _RANK_SHIFT = 48
 
@@ -81,11 +84,15 @@ def retrieve_context(context_id: int) -> DistAutogradContext:
 
 def record(ref: "RemoteRef", value: torch.Tensor) -> torch.Tensor:
     """Make ``value`` (just fetched from ``ref``) a leaf of the open context, if any and if
-    ``ref`` requires grad."""
+    ``ref`` requires grad. Registered as the remote references' fetch hook, so every
+    ``to_here()`` passes through it."""
     if _open is not None and ref.requires_grad:
         value.requires_grad_(True)
         _open.leaves.append((ref, value))
     return value
+
+
+register_fetch_hook(record)
 
 
 def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool = False) -> None:

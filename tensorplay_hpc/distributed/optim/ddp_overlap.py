@@ -36,12 +36,13 @@ from tensorplay_hpc.comm.private import private_comm
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_fut
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.grad_bucket import (
     result_done, result_tensor)
-from tensorplay_hpc.distributed.parallel.comm_thread import wait_for_all
 
 from .bucket_assignment import BucketShard
 
 if TYPE_CHECKING:
     from .zero_redundancy_optimizer import ZeroRedundancyOptimizer
+
+__all__ = ["DDPOverlap", "WARMUP_ITERATIONS"]
 
 Hook = Callable[[Any, Any], Any]
 
@@ -96,7 +97,7 @@ class _OwnersStep(_BucketStep):
         shards = overlap.shards[bucket.index()]
 
         def reduce_to_owners(buffer: torch.Tensor) -> None:
-            wait_for_all(group)
+            comm.quiet_barrier(group)   # on DDP's thread: the waiting leaves the core free
             buffer.div_(group.Get_size())
             for shard in shards:
                 comm.reduce(buffer[flat.offsets[shard.start]:overlap.end(flat, shard)], group,

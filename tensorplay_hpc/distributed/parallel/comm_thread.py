@@ -12,6 +12,8 @@ import torch
 
 from tensorplay_hpc.comm.mpi import MPI
 
+__all__ = ["CommThread", "ThreadWork", "wait_for_all"]
+
 POLL_SECONDS = 2e-4
 
 

@@ -2,14 +2,30 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import TYPE_CHECKING, Dict, Iterable, List, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Tuple
 
 import torch
 
-from tensorplay_hpc.distributed import autograd
-
 if TYPE_CHECKING:
     from .shared import SharedTensors
+
+__all__ = ["FetchHook", "RemoteRef", "by_owner", "register_fetch_hook"]
+
+FetchHook = Callable[["RemoteRef", torch.Tensor], torch.Tensor]
+"""``hook(ref, value)`` -> the value :meth:`RemoteRef.to_here` returns."""
+
+_fetch_hooks: List[FetchHook] = []
+
+
+def register_fetch_hook(hook: FetchHook) -> None:
+    """Pass every value :meth:`RemoteRef.to_here` fetches through ``hook``, in the order hooks
+    were registered; registering a hook again changes nothing. Not collective.
+
+    This is how a layer above remote references (distributed autograd records the fetched
+    leaves of its open context) sees fetches without this module importing it.
+    """
+    if hook not in _fetch_hooks:
+        _fetch_hooks.append(hook)
 
 
 class RemoteRef:
@@ -56,7 +72,10 @@ class RemoteRef:
         requires grad (:attr:`requires_grad`) is a leaf that requires grad, and :func:`~tensorplay_hpc.distributed.autograd.backward` sends its
         gradient to the owner.
         """
-        return autograd.record(self, self.shared.fetch(self))
+        value = self.shared.fetch(self)
+        for hook in _fetch_hooks:
+            value = hook(self, value)
+        return value
 
     def __repr__(self) -> str:
         return (f"RemoteRef(owner={self._owner}, index={self.index}, shape={tuple(self.shape)}, "
