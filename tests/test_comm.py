@@ -8,6 +8,7 @@ from mpi4py import MPI
 from tensorplay_hpc import comm
 from tensorplay_hpc.bench.network import bytes_sent
 from tensorplay_hpc.comm import ReduceOp, collectives, staging
+from tensorplay_hpc.comm.chunking import chunk_elements, chunks
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16,
           torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8]
@@ -322,24 +323,24 @@ def test_group_by_dtype_device():
 
 
 def test_chunks():
-    assert list(comm.chunks(10, 4)) == [(0, 4), (4, 4), (8, 2)]
-    assert list(comm.chunks(0, 4)) == [(0, 0)]
+    assert list(chunks(10, 4)) == [(0, 4), (4, 4), (8, 2)]
+    assert list(chunks(0, 4)) == [(0, 0)]
 
 
 def test_chunk_limit_from_environment(setting):
-    assert comm.chunk_elements() == 2**31 - 1
+    assert chunk_elements() == 2**31 - 1
     setting(comm.CHUNK_ENV, "5")
-    assert comm.chunk_elements() == 5
+    assert chunk_elements() == 5
     setting(comm.CHUNK_ENV, "0")
     with pytest.raises(ValueError, match=comm.CHUNK_ENV):
-        comm.chunk_elements()
+        chunk_elements()
 
 
 def test_contiguous_cpu_tensors_are_zero_copy():
     t = torch.ones(4)
-    staged = comm.Staged(t)
+    staged = staging.Staged(t)
     assert staged.work is t and not staged.staged
-    assert comm.memory(t).address == t.data_ptr()
+    assert staging.memory(t).address == t.data_ptr()
 
 
 def test_host_staging_path_copies_in_and_out(group, monkeypatch, chunking):
@@ -347,7 +348,7 @@ def test_host_staging_path_copies_in_and_out(group, monkeypatch, chunking):
     monkeypatch.setattr(staging, "needs_host_copy", lambda tensor: True)
     monkeypatch.setattr(staging, "NATIVE", {})
     t = torch.full((5,), float(group.rank + 1))
-    staged = comm.Staged(t)
+    staged = staging.Staged(t)
     assert staged.staged and staged.work is not t and staged.work.data_ptr() != t.data_ptr()
     comm.all_reduce(t, group.comm)
     assert t.tolist() == [group.size * (group.size + 1) / 2] * 5

@@ -14,6 +14,7 @@ from mpi4py import MPI
 from tensorplay_hpc import comm
 from tensorplay_hpc.bench.network import bytes_sent
 from tensorplay_hpc.comm import library, lifetime
+from tensorplay_hpc.comm.private import private_comm
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_fut
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.hierarchical_hook import (
     HierarchicalState, hierarchical_all_reduce, hierarchical_allreduce_hook)
@@ -122,7 +123,7 @@ def test_across_nodes_each_node_sends_a_bucket_once_not_once_per_rank():
         if state.across.Get_size() < 2:
             pytest.skip("the ranks are on one node")
         nodes = state.across.Get_size()
-        group = comm.private_comm(WORLD)
+        group = private_comm(WORLD)
         _, flat = _network_bytes(state, lambda: allreduce_fut(group, tensor).wait(), steps)
         node, total = _network_bytes(
             state, lambda: hierarchical_all_reduce(state, tensor).wait(), steps)

@@ -12,6 +12,7 @@ from mpi4py import MPI
 
 from tensorplay_hpc import comm
 from tensorplay_hpc.comm import lifetime
+from tensorplay_hpc.comm.private import private_comm
 from tensorplay_hpc.distributed import rma
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
     PostLocalSGDState, post_localSGD_hook)
@@ -35,7 +36,7 @@ def _cached_duplicate_made():
     """The duplicate that hooks and averaging cache on MPI_COMM_WORLD lives as long as it (until
     MPI_Finalize): make it before any test counts what a test leaves. Other tests' unclosed
     objects are collected first, so that none is collected (and changes state) mid-test."""
-    comm.private_comm(WORLD)
+    private_comm(WORLD)
     gc.collect()
 
 

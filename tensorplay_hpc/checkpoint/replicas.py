@@ -7,7 +7,7 @@ from typing import List, Optional, Tuple
 
 from tensorplay_hpc.comm.mpi import MPI
 
-from tensorplay_hpc.comm import private_comm
+from tensorplay_hpc.comm.private import private_comm
 
 from .format import replica_prefix
 

@@ -22,31 +22,30 @@
 - :mod:`.cuda` decides how GPU memory reaches MPI and which GPU a rank uses;
 - :mod:`.capabilities` says what MPI can do between a communicator's ranks (thread level, one
   node, one-sided windows).
+
+The names exported here (``__all__``) are what users and the layers above call; the rest of the
+layer (staging, chunking, the private communicator cache) is imported from its own module.
 """
 from . import capabilities, library
 from .agreement import agree, quiet_barrier
 from .abort import abort_on_exception
-from .chunking import CHUNK_ENV, PIECE_ENV, chunk_elements, chunks, piece_elements
+from .chunking import CHUNK_ENV, PIECE_ENV
 from .consistency import check_consistent, gather_digests, tensor_signature
 from .collectives import (all_gather, all_gather_v, all_reduce, all_reduce_coalesced, broadcast,
                           broadcast_coalesced, gather, reduce, reduce_scatter)
 from .cuda import CUDA_AWARE_ENV, device_for_rank, is_cuda_aware, local_rank
 from .dtypes import ReduceOp
-from .flat_buffer import FlatBuffer, group_by_dtype_device, pack_by_dtype_device
+from .flat_buffer import FlatBuffer, group_by_dtype_device
 from .group import ProcessGroup, is_member, resolve
 from .lifetime import Closeable
 from .node_layout import NodeLayout
-from .private import private_comm
-from .staging import Staged, memory
 from .work import Work
 
 __all__ = [
     "CHUNK_ENV", "CUDA_AWARE_ENV", "Closeable", "FlatBuffer", "NodeLayout", "PIECE_ENV", "ProcessGroup",
-    "ReduceOp", "Staged", "Work", "abort_on_exception", "agree", "all_gather", "all_gather_v",
+    "ReduceOp", "Work", "abort_on_exception", "agree", "all_gather", "all_gather_v",
     "all_reduce", "all_reduce_coalesced", "broadcast", "broadcast_coalesced", "capabilities",
-    "check_consistent", "chunk_elements", "chunks", "device_for_rank", "gather", "gather_digests",
-    "group_by_dtype_device", "is_cuda_aware", "is_member", "library", "local_rank", "memory",
-    "pack_by_dtype_device", "piece_elements", "private_comm", "quiet_barrier", "reduce",
-    "reduce_scatter", "resolve",
-    "tensor_signature",
+    "check_consistent", "device_for_rank", "gather", "gather_digests",
+    "group_by_dtype_device", "is_cuda_aware", "is_member", "library", "local_rank",
+    "quiet_barrier", "reduce", "reduce_scatter", "resolve", "tensor_signature",
 ]

@@ -9,6 +9,7 @@ from typing import List, Sequence, Tuple, Union
 import torch
 
 from tensorplay_hpc import comm
+from tensorplay_hpc.comm.chunking import piece_elements
 from tensorplay_hpc.comm.mpi import MPI
 
 Segment = Tuple[int, int, int]
@@ -104,7 +105,7 @@ class StagedShards:
         shapes = [[p.shape for p in params] for params in self.params_per_rank]
         numels = [[shape.numel() for shape in mine] for mine in shapes]
         counts = [sum(n) for n in numels]
-        per_rank = max(1, comm.piece_elements(first.element_size()) // len(counts))
+        per_rank = max(1, piece_elements(first.element_size()) // len(counts))
         rounds = max(1, -(-max(counts) // per_rank))
         self.staging = torch.empty(min(per_rank * len(counts), sum(counts)), dtype=first.dtype,
                                    device=first.device)

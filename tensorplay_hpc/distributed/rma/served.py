@@ -5,7 +5,7 @@ Each rank's memory is an ordinary local tensor. A service thread per rank and wi
 other ranks' requests (lock, unlock, get, put, accumulate, flush) with point-to-point messages on
 a private duplicate of the communicator, so the owner's application thread takes no part: it may
 compute without calling MPI. Headers are small int64 arrays; data moves as flat tensor memory
-(:func:`tensorplay_hpc.comm.memory`), split into chunks like :class:`~.window.Window`'s.
+(:func:`tensorplay_hpc.comm.staging.memory`), split into chunks like :class:`~.window.Window`'s.
 Threads of one process call MPI concurrently, so this needs ``MPI_THREAD_MULTIPLE``.
 
 Locks are real: :meth:`ServedWindow.locked` returns only once the target's
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from tensorplay_hpc import comm
-from tensorplay_hpc.comm import library, trace
+from tensorplay_hpc.comm import chunking, library, staging, trace
 from tensorplay_hpc.comm.dtypes import move_datatype
 from tensorplay_hpc.comm.mpi import MPI
 
@@ -86,7 +86,7 @@ class ServedWindow:
         header = np.zeros(HEADER, dtype=np.int64)
         header[:2] = operation, offset
         if tensor is not None:
-            header[2:5] = tensor.numel(), _DTYPES.index(tensor.dtype), comm.chunk_elements()
+            header[2:5] = tensor.numel(), _DTYPES.index(tensor.dtype), chunking.chunk_elements()
         header[5] = reduction
         self._comm.Send([header, MPI.INT64_T], rank, REQUEST)
 
@@ -106,8 +106,8 @@ class ServedWindow:
     def _stream(self, method, tensor: torch.Tensor, rank: int, tag: int) -> None:
         """Send or receive ``tensor``'s memory in chunks."""
         datatype = move_datatype(tensor.dtype)
-        for start, count in comm.chunks(tensor.numel()):
-            method([comm.memory(tensor, start, count), count, datatype], rank, tag)
+        for start, count in chunking.chunks(tensor.numel()):
+            method([staging.memory(tensor, start, count), count, datatype], rank, tag)
 
     def get(self, tensor: torch.Tensor, rank: int, offset: int) -> None:
         """Read ``rank``'s bytes from ``offset`` into ``tensor`` (done when it returns)."""
@@ -261,7 +261,7 @@ class ServedWindow:
         else:
             method, buffer, tag = self._comm.Recv, torch.empty(numel, dtype=dtype), TO_SERVICE
         datatype = move_datatype(dtype)
-        for start, count in comm.chunks(numel, limit):
-            method([comm.memory(buffer, start, count), count, datatype], source, tag)
+        for start, count in chunking.chunks(numel, limit):
+            method([staging.memory(buffer, start, count), count, datatype], source, tag)
         if operation == ACCUMULATE:
             self._combine(memory, buffer, reduction)

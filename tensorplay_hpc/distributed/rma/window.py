@@ -10,8 +10,8 @@ ranks' operations are plain memory copies that need nothing from the target. (Op
 which the disjoint halves of a ``Split`` share: their windows would overlap.)
 
 Remote operations take contiguous CPU tensors and a byte offset in the target's part; their
-memory reaches MPI only through :func:`tensorplay_hpc.comm.memory`, and messages longer than the
-chunk limit are split. Operations complete at the end of the lock epoch that holds them.
+memory reaches MPI only through :func:`tensorplay_hpc.comm.staging.memory`, and messages longer
+than the chunk limit are split. Operations complete at the end of the lock epoch that holds them.
 """
 from __future__ import annotations
 
@@ -20,8 +20,7 @@ from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 
-from tensorplay_hpc import comm
-from tensorplay_hpc.comm import lifetime, trace
+from tensorplay_hpc.comm import chunking, lifetime, staging, trace
 from tensorplay_hpc.comm.dtypes import move_datatype, reduce_dtype
 from tensorplay_hpc.comm.mpi import MPI
 
@@ -96,8 +95,8 @@ class Window:
         datatype = move_datatype(tensor.dtype)
         size = tensor.element_size()
         with trace.rma(f"{what} rank {rank}", self._comm_name, tensor.nbytes):
-            for start, count in comm.chunks(tensor.numel()):
-                method([comm.memory(tensor, start, count), count, datatype], rank,
+            for start, count in chunking.chunks(tensor.numel()):
+                method([staging.memory(tensor, start, count), count, datatype], rank,
                        target=(offset + start * size, count, datatype), **kwargs)
 
     def get(self, tensor: torch.Tensor, rank: int, offset: int) -> None:
