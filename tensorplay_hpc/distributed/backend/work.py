@@ -26,6 +26,10 @@ class _Completer:
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
 
+    def is_current(self) -> bool:
+        """Whether the caller runs on the completer thread (inside a future's callback)."""
+        return threading.current_thread() is self._thread
+
     def hand_over(self, work: "BackendWork") -> None:
         with self._lock:
             if self._thread is None:
@@ -108,7 +112,11 @@ class BackendWork(_Work):
         return self._source
 
     def get_future(self) -> Future:
-        """A future of the output tensors; it completes in the background."""
+        """A future of the output tensors; it completes in the background. Asked from a
+        callback of another future (PowerSGD waits there for its next allreduce), it completes
+        first: the completer thread cannot wait for itself."""
+        if _completer.is_current():
+            self._finish()
         with self._lock:
             if self._future is None:
                 self._future = Future()

@@ -1,0 +1,356 @@
+"""The ``mpi4py`` torch.distributed backend: each collective, PyTorch's DDP, FSDP2, DTensor,
+distributed checkpoints and ZeroRedundancyOptimizer on a group of the backend, against the
+same program over gloo (the default group) in the same run."""
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from mpi4py import MPI
+
+from tensorplay_hpc.comm import trace
+from tensorplay_hpc.comm.chunking import CHUNK_ENV
+from tensorplay_hpc.distributed.backend import BACKEND_NAME, MPIProcessGroup, UnsupportedOperation
+
+WORLD = MPI.COMM_WORLD
+RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
+
+
+@pytest.fixture(scope="module")
+def groups(gloo):
+    """(ours, gloo's): a group of the backend over every rank, and gloo's default group."""
+    ours = dist.new_group(backend=BACKEND_NAME)
+    assert isinstance(ours, MPIProcessGroup)
+    yield ours, dist.group.WORLD
+    dist.destroy_process_group(ours)
+
+
+def _both(groups, run):
+    """``run(group)`` on our group and on gloo's; both results."""
+    ours, theirs = groups
+    return run(ours), run(theirs)
+
+
+def _same(a, b):
+    if isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _same(x, y)
+    else:
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a, b), (a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64, torch.bfloat16])
+@pytest.mark.parametrize("op", ["SUM", "MAX", "MIN", "PRODUCT"])
+def test_all_reduce_matches_gloo(groups, dtype, op):
+    def run(group):
+        t = (torch.arange(6) % 3 + RANK + 1).to(dtype)
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op), group=group)
+        return t
+    _same(*_both(groups, run))
+
+
+def test_all_reduce_average_is_the_mean(groups):
+    ours, _ = groups
+    t = torch.full((5,), float(RANK))
+    dist.all_reduce(t, op=dist.ReduceOp.AVG, group=ours)
+    assert torch.equal(t, torch.full((5,), (SIZE - 1) / 2))
+
+
+def test_unsupported_reduction_is_named(groups):
+    ours, _ = groups
+    with pytest.raises(UnsupportedOperation, match=rf"BAND.*rank {RANK}"):
+        dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist.ReduceOp.BAND, group=ours)
+
+
+def test_gathers_scatters_and_broadcasts_match_gloo(groups):
+    def run(group):
+        out = {}
+        mine = torch.arange(4, dtype=torch.float32) + 10 * RANK
+        parts = [torch.empty(4) for _ in range(SIZE)]
+        dist.all_gather(parts, mine, group=group)
+        out["all_gather"] = parts
+        flat = torch.empty(4 * SIZE)
+        dist.all_gather_into_tensor(flat, mine, group=group)
+        out["all_gather_into_tensor"] = flat
+        big = torch.arange(2 * SIZE, dtype=torch.float64) * (RANK + 1)
+        piece = torch.empty(2, dtype=torch.float64)
+        dist.reduce_scatter_tensor(piece, big, group=group)
+        out["reduce_scatter_tensor"] = piece
+        listed = torch.empty(3)
+        dist.reduce_scatter(listed, [torch.full((3,), float(r + RANK)) for r in range(SIZE)],
+                            group=group)
+        out["reduce_scatter"] = listed
+        b = torch.arange(7) if RANK == SIZE - 1 else torch.zeros(7, dtype=torch.int64)
+        dist.broadcast(b, src=SIZE - 1, group=group)
+        out["broadcast"] = b
+        r = mine.clone()
+        dist.reduce(r, dst=0, group=group)
+        out["reduce"] = r if RANK == 0 else torch.zeros(0)
+        g = [torch.empty(4) for _ in range(SIZE)] if RANK == 0 else None
+        dist.gather(mine, g, dst=0, group=group)
+        out["gather"] = g if RANK == 0 else []
+        s = torch.empty(2)
+        dist.scatter(s, [torch.full((2,), float(r)) for r in range(SIZE)] if RANK == 0 else None,
+                     src=0, group=group)
+        out["scatter"] = s
+        objects = [None] * SIZE
+        dist.all_gather_object(objects, {"rank": RANK, "name": "x" * RANK}, group=group)
+        out["objects"] = [torch.tensor([o["rank"], len(o["name"])]) for o in objects]
+        return out
+    ours, theirs = _both(groups, run)
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        _same(ours[key], theirs[key])
+
+
+def test_all_to_all_matches_gloo(groups):
+    def run(group):
+        # rank r sends (r + 1) rows to each rank; uneven splits on the receiving side
+        sends = [RANK + 1] * SIZE
+        receives = [r + 1 for r in range(SIZE)]
+        data = torch.arange(sum(sends) * 3, dtype=torch.float32).view(-1, 3) + 100 * RANK
+        got = torch.empty(sum(receives), 3)
+        dist.all_to_all_single(got, data, receives, sends, group=group)
+        lists = [torch.empty(2) for _ in range(SIZE)]
+        dist.all_to_all(lists, [torch.full((2,), float(10 * RANK + r)) for r in range(SIZE)],
+                        group=group)
+        return [got] + lists
+    _same(*_both(groups, run))
+
+
+def test_send_and_receive(groups):
+    ours, _ = groups
+    if SIZE < 2:
+        pytest.skip("needs two ranks")
+    if RANK == 0:
+        dist.send(torch.arange(5.), dst=1, group=ours, tag=7)
+        got = torch.empty(3, dtype=torch.int64)
+        sender = dist.recv(got, group=ours, tag=8)   # from any rank
+        assert sender == 1 and torch.equal(got, torch.tensor([1, 2, 3]))
+    elif RANK == 1:
+        got = torch.empty(5)
+        assert dist.recv(got, src=0, group=ours, tag=7) == 0
+        assert torch.equal(got, torch.arange(5.))
+        dist.send(torch.tensor([1, 2, 3]), dst=0, group=ours, tag=8)
+    dist.barrier(group=ours)
+
+
+def test_asynchronous_work_completes_its_future(groups):
+    ours, _ = groups
+    t = torch.full((1000,), float(RANK + 1))
+    work = dist.all_reduce(t, group=ours, async_op=True)
+    doubled = work.get_future().then(lambda f: f.value()[0] * 2)
+    expected = float(SIZE * (SIZE + 1) / 2)
+    assert torch.equal(doubled.wait(), torch.full((1000,), 2 * expected))
+    assert work.wait() and work.is_completed()
+    assert torch.equal(t, torch.full((1000,), expected))
+
+
+def test_long_messages_are_chunked(groups, setting):
+    setting(CHUNK_ENV, "7")   # MPI's count limit, as if it were 7 elements
+    def run(group):
+        t = torch.arange(50, dtype=torch.float64) * (RANK + 1)
+        dist.all_reduce(t, group=group)
+        out = torch.empty(50 * SIZE, dtype=torch.float64)
+        dist.all_gather_into_tensor(out, t, group=group)
+        sent = torch.arange(20 * SIZE, dtype=torch.float32) + RANK
+        got = torch.empty(20 * SIZE)
+        dist.all_to_all_single(got, sent, group=group)
+        return [t, out, got]
+    _same(*_both(groups, run))
+
+
+def test_operations_are_traced(groups):
+    ours, _ = groups
+    before = trace.bytes_communicated()
+    dist.all_reduce(torch.ones(256), group=ours)
+    assert trace.bytes_communicated() - before == 1024
+
+
+# --- PyTorch's own parallelism on the backend ---------------------------------------------------
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).double()
+
+
+def _batches(steps=3):
+    out = []
+    for step in range(steps):
+        torch.manual_seed(100 + step)
+        out.append(torch.randn(2 * SIZE, 8, dtype=torch.float64))
+    return out
+
+
+def _mine(x):
+    return x[2 * RANK:2 * RANK + 2]
+
+
+@pytest.mark.parametrize("hook", [None, "fp16", "powerSGD"])
+def test_ddp_matches_gloo(groups, hook):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def run(group):
+        ddp = DDP(_model(), process_group=group)
+        if hook == "fp16":
+            ddp.register_comm_hook(group, default_hooks.fp16_compress_hook)
+        elif hook == "powerSGD":
+            state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=1,
+                                                start_powerSGD_iter=2, random_seed=5)
+            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for x in _batches(4):
+            ddp(_mine(x)).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.detach().clone() for p in ddp.parameters()]
+    _same(*_both(groups, run))
+
+
+def _fully_sharded(mesh, reshard=True):
+    from torch.distributed.fsdp import fully_shard
+    model = _model()
+    fully_shard(model[0], mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    return model
+
+
+def _train_fsdp(mesh, reshard=True):
+    model = _fully_sharded(mesh, reshard)
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    for x in _batches():
+        model(_mine(x)).pow(2).sum().backward()   # FSDP2 averages the gradients
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+def _local_adam():
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    for x in _batches():
+        (model(x).pow(2).sum() / SIZE).backward()
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+@pytest.mark.parametrize("reshard", [True, False], ids=["zero3", "zero2"])
+def test_fsdp2_matches_gloo_and_a_local_adam(groups, reshard):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    def run(group):
+        model = _train_fsdp(DeviceMesh.from_group(group, "cpu"), reshard)
+        local = [p.to_local().detach().clone() for p in model.parameters()]
+        full = [p.full_tensor().detach().clone() for p in model.parameters()]
+        return local, full
+    (ours_local, ours_full), (gloo_local, gloo_full) = _both(groups, run)
+    _same(ours_local, gloo_local)
+    _same(ours_full, gloo_full)
+    for mine, reference in zip(ours_full, _local_adam().parameters()):
+        torch.testing.assert_close(mine, reference.detach(), rtol=1e-12, atol=1e-12)
+    assert sum(p.numel() for p in ours_local) <= sum(p.numel() for p in ours_full) // SIZE + 32
+
+
+@pytest.mark.mpi(min_size=4)
+def test_hsdp_on_a_two_dimensional_mesh_matches_gloo(groups):
+    """Replicas over the nodes (or over halves of the world on one node), shards within."""
+    from tensorplay_hpc.comm import NodeLayout
+    from torch.distributed.device_mesh import DeviceMesh
+    layout = NodeLayout(WORLD)
+    several = len(layout.nodes) > 1 and layout.node_size and layout.contiguous
+    per_node = layout.node_size if several else SIZE // 2
+    mesh = torch.arange(SIZE).view(SIZE // per_node, per_node)
+
+    def run(backend):
+        # every rank makes every group, as torch.distributed asks
+        shards = [dist.new_group(row.tolist(), backend=backend) for row in mesh]
+        replicas = [dist.new_group(col.tolist(), backend=backend) for col in mesh.t()]
+        row, col = RANK // per_node, RANK % per_node
+        device_mesh = DeviceMesh.from_group([replicas[col], shards[row]], "cpu", mesh=mesh,
+                                            mesh_dim_names=("replicate", "shard"))
+        model = _train_fsdp(device_mesh)
+        full = [p.full_tensor().detach().clone() for p in model.parameters()]
+        for group in shards + replicas:
+            if group != dist.GroupMember.NON_GROUP_MEMBER:
+                dist.destroy_process_group(group)
+        return full
+    ours, theirs = run(BACKEND_NAME), run("gloo")
+    _same(ours, theirs)
+    for mine, reference in zip(ours, _local_adam().parameters()):
+        torch.testing.assert_close(mine, reference.detach(), rtol=1e-12, atol=1e-12)
+
+
+def test_dtensor_redistribution_matches_gloo(groups):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    def run(group):
+        mesh = DeviceMesh.from_group(group, "cpu")
+        torch.manual_seed(3)
+        full = torch.randn(4 * SIZE, 2 * SIZE, dtype=torch.float64)
+        rows = distribute_tensor(full, mesh, [Shard(0)])
+        columns = rows.redistribute(mesh, [Shard(1)])
+        replicated = columns.redistribute(mesh, [Replicate()])
+        # each rank holds a term of a sum: reduce-scatter it, and all-reduce it
+        partial = DTensor.from_local(full * (RANK + 1), mesh, [Partial()])
+        scattered = partial.redistribute(mesh, [Shard(0)])
+        summed = partial.redistribute(mesh, [Replicate()])
+        return [rows.to_local(), columns.to_local(), replicated.to_local(),
+                scattered.to_local(), summed.to_local(), full]
+    ours, theirs = _both(groups, run)
+    _same(ours, theirs)
+    full = ours[-1]
+    assert torch.equal(ours[0], full.chunk(SIZE, 0)[RANK])
+    assert torch.equal(ours[1], full.chunk(SIZE, 1)[RANK])
+    assert torch.equal(ours[2], full)
+    torch.testing.assert_close(ours[4], full * (SIZE * (SIZE + 1) // 2))
+    torch.testing.assert_close(ours[3], ours[4].chunk(SIZE, 0)[RANK])
+
+
+def test_distributed_checkpoint_round_trip_and_another_world_size(groups, folder):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.device_mesh import DeviceMesh
+    ours, _ = groups
+    model = _train_fsdp(DeviceMesh.from_group(ours, "cpu"))
+    state = get_model_state_dict(model)
+    path = os.path.join(folder, "dcp")
+    dcp.save(state, checkpoint_id=path, process_group=ours)
+    expected = {k: v.full_tensor() for k, v in state.items()}
+    # the same world size, into a fresh sharded model
+    fresh = _fully_sharded(DeviceMesh.from_group(ours, "cpu"))
+    fresh_state = get_model_state_dict(fresh)
+    dcp.load(fresh_state, checkpoint_id=path, process_group=ours)
+    for key, value in fresh_state.items():
+        assert torch.equal(value.full_tensor(), expected[key]), key
+    # one rank alone, into a plain unsharded model
+    plain = {k: torch.zeros_like(v) for k, v in expected.items()}
+    dcp.load(plain, checkpoint_id=path, no_dist=True)
+    for key, value in plain.items():
+        assert torch.equal(value, expected[key]), key
+    dist.barrier(group=ours)
+
+
+def test_torch_zero_redundancy_optimizer_matches_gloo(groups):
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
+
+    def run(group):
+        model = _model()
+        opt = TorchZeRO(model.parameters(), torch.optim.Adam, process_group=group, lr=0.05)
+        for x in _batches():
+            model(_mine(x)).pow(2).sum().backward()
+            for p in model.parameters():
+                dist.all_reduce(p.grad, group=group)
+            opt.step()
+            opt.zero_grad()
+        opt.consolidate_state_dict(to=0)
+        state = opt.state_dict() if RANK == 0 else None
+        exp_avg = [] if state is None else [s["exp_avg"] for s in state["state"].values()]
+        return [p.detach().clone() for p in model.parameters()] + exp_avg
+    _same(*_both(groups, run))
