@@ -8,6 +8,7 @@ from typing import Optional
 from .mpi import MPI
 
 from . import lifetime, watchdog
+from .abort import abort_on_uncaught
 
 
 def _kind(process_group: object) -> str:
@@ -84,6 +85,7 @@ class ProcessGroup(lifetime.Closeable):
                 f"world rank {MPI.COMM_WORLD.Get_rank()} is not a member of the process group "
                 "(it holds MPI.COMM_NULL)")
         self.owner = owner
+        abort_on_uncaught()
         self._comm: MPI.Intracomm = self.parent.Dup()
         self.rank: int = self._comm.Get_rank()
         self.size: int = self._comm.Get_size()
