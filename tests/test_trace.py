@@ -78,10 +78,10 @@ def test_ring_and_trace_hold_a_known_sequence(world, traced):
     group.close()
     mine = json.loads((traced / f"trace-rank{world.rank}.json").read_text())["traceEvents"]
     events = [(e["name"], e["ph"], e["args"].get("bytes")) for e in _timed(mine)]
-    assert events[:5] == [("all_reduce", "X", 16), ("broadcast", "X", 24),
+    assert events[:6] == [("Dup", "X", 0), ("all_reduce", "X", 16), ("broadcast", "X", 24),
                           ("all_gather", "b", 4 * size), ("all_gather", "e", None),
                           ("local work", "X", 0)]
-    assert events[5:] == ([("all_reduce", "X", 4)] * (trace.RECENT + 3)
+    assert events[6:] == ([("all_reduce", "X", 4)] * (trace.RECENT + 3)
                           + [("broadcast", "X", 20), ("broadcast", "X", 8)])
     if world.rank == 0:
         every = _timed(json.loads(merged.read_text())["traceEvents"])

@@ -14,7 +14,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from tensorplay_hpc.comm import ProcessGroup, agree, resolve
+from tensorplay_hpc.comm import ProcessGroup, resolve
+from tensorplay_hpc.comm.agreement import fail_together
 from tensorplay_hpc.comm.mpi import MPI
 
 from . import background, collector, restore, snapshot, writer
@@ -132,14 +133,11 @@ def load(path: str, model: Optional[torch.nn.Module] = None,
     """
     group = ProcessGroup(process_group)
     try:
-        error, reader, replicas = None, None, None
+        reader, replicas = None, None
         try:
-            replicas = Replicas(group.comm, replica_group)   # collective: raises on all or none
-            reader = Reader(path)
-        except Exception as failure:
-            error = failure
-        try:
-            agree(group.comm, error, f"loading checkpoint {path}", CheckpointError)
+            with fail_together(group.comm, f"loading checkpoint {path}", CheckpointError):
+                replicas = Replicas(group.comm, replica_group)  # collective: raises on all or none
+                reader = Reader(path)
             return restore.load_into(reader, group.comm, replicas, model, optimizer)
         finally:
             if reader is not None:

@@ -8,6 +8,7 @@ from typing import List, Optional, Tuple
 from tensorplay_hpc.comm.mpi import MPI
 
 from tensorplay_hpc.comm.private import private_comm
+from tensorplay_hpc.comm.small_collectives import all_gather_object
 
 from .format import replica_prefix
 
@@ -30,8 +31,8 @@ class Replicas:
         if replica_group is None:
             mine: Tuple[int, ...] = tuple(range(size))
         else:
-            mine = tuple(sorted(private_comm(replica_group).allgather(rank)))
-        every = comm.allgather(mine)
+            mine = tuple(sorted(all_gather_object(rank, private_comm(replica_group))))
+        every = all_gather_object(mine, comm)
         self.groups: List[Tuple[int, ...]] = sorted(set(every))
         self.index = self.groups.index(mine)
         covered = sorted(r for group in self.groups for r in group)

@@ -12,7 +12,9 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from tensorplay_hpc.comm import agree
+from tensorplay_hpc.comm.agreement import fail_together
+from tensorplay_hpc.comm.communicators import split
+from tensorplay_hpc.comm.small_collectives import broadcast_object
 from tensorplay_hpc.comm.mpi import MPI
 
 from . import format as fmt
@@ -147,33 +149,27 @@ def load_into(reader: Reader, comm: MPI.Intracomm, replicas: Replicas,
     """
     rank, what = comm.Get_rank(), f"loading checkpoint {reader.path}"
     model = fmt.unwrap_model(model)
-    error, plan, own_layout = None, None, False
-    try:
+    plan, own_layout = None, False
+    with fail_together(comm, what, fmt.CheckpointError):
         saved = saved_replicas(reader)
         own_layout = len(saved) > 1 and saved == replicas.describe()
         sources = [fmt.replica_prefix(replicas.index, len(saved))] if own_layout else prefixes(reader)
         plan = _plan(reader, sources, rank, model, optimizer)
-    except Exception as failure:
-        error = failure
-    agree(comm, error, what, fmt.CheckpointError)
 
-    error, optimizer_values = None, {}
-    if rank == 0 and optimizer is not None:
-        try:
+    optimizer_values = {}
+    with fail_together(comm, what, fmt.CheckpointError):
+        if rank == 0 and optimizer is not None:
             optimizer_values = _optimizer_values(reader, plan)
-        except Exception as failure:
-            error = failure
-    agree(comm, error, what, fmt.CheckpointError)
-    optimizer_values = comm.bcast(optimizer_values, root=0)
-    sharing = comm.Split(replicas.index, rank) if own_layout else comm
+    optimizer_values = broadcast_object(optimizer_values, comm)
+    sharing = split(comm, replicas.index, rank) if own_layout else comm
     try:
         shared = read_shared(reader, plan.shared_names(), sharing)
     finally:
         if sharing is not comm:
             sharing.Free()
 
-    error, extra = None, {}
-    try:
+    extra = {}
+    with fail_together(comm, what, fmt.CheckpointError):
         own = reader.tensors(plan.tensors)
         read = reader.tensors([fmt.state_name(i, k) for i, keys in plan.own_state.items()
                                for k in keys])
@@ -181,12 +177,8 @@ def load_into(reader: Reader, comm: MPI.Intracomm, replicas: Replicas,
                      for i, keys in plan.own_state.items()}
         own_values = {i: reader.decoded(fmt.state_node(i), default={}) for i in plan.own_state}
         extra = _extra(reader, rank)
-    except Exception as failure:
-        error = failure
-    agree(comm, error, what, fmt.CheckpointError)
 
-    error = None
-    try:
+    with fail_together(comm, what, fmt.CheckpointError):
         if model is not None:
             model.load_state_dict({k: combine([shared[fmt.model_name(k, p)] for p in plan.sources])
                                    for k in plan.model_keys})
@@ -203,7 +195,4 @@ def load_into(reader: Reader, comm: MPI.Intracomm, replicas: Replicas,
                 state[index] = {**own_values[index], **tensors}
             adapter_for(optimizer).load(state, optimizer_values["param_groups"],
                                         optimizer_values["attributes"], own)
-    except Exception as failure:
-        error = failure
-    agree(comm, error, what, fmt.CheckpointError)
     return extra

@@ -8,7 +8,8 @@ from typing import Dict, List, Sequence
 import numpy as np
 import torch
 
-from tensorplay_hpc.comm import agree, broadcast, check_consistent
+from tensorplay_hpc.comm import broadcast, check_consistent
+from tensorplay_hpc.comm.agreement import fail_together
 from tensorplay_hpc.comm.mpi import MPI
 
 from . import format as fmt
@@ -39,27 +40,20 @@ def read_shared(reader: Reader, names: Sequence[str], comm: MPI.Intracomm) -> Di
         check_consistent(comm, "the datasets every rank reads", [(name, "") for name in names])
     except ValueError as failure:
         raise fmt.CheckpointError(f"{what}: {failure}") from None
-    error, layout, sizes, readers = None, [], [], []
-    try:
+    layout, sizes, readers = [], [], []
+    with fail_together(comm, what, fmt.CheckpointError):
         layout = [reader.describe(name) for name in names]
         sizes = [math.prod(shape) * fmt.numpy_dtype(dtype).itemsize for shape, dtype in layout]
         readers = assign_writers(sizes, comm.Get_size())
-    except Exception as failure:
-        error = failure
-    agree(comm, error, what, fmt.CheckpointError)
 
     buffers: Dict[int, np.ndarray] = {}
-    error = None
     for root in range(comm.Get_size()):
         mine = [i for i, r in enumerate(readers) if r == root]
         buffers[root] = np.empty(sum(sizes[i] for i in mine), dtype=np.uint8)
-        if root == rank:
-            try:
-                reader.read_all_into([names[i] for i in mine],
-                                     _views(buffers[root], [layout[i] for i in mine]))
-            except Exception as failure:
-                error = failure
-    agree(comm, error, what, fmt.CheckpointError)
+    with fail_together(comm, what, fmt.CheckpointError):
+        mine = [i for i, r in enumerate(readers) if r == rank]
+        reader.read_all_into([names[i] for i in mine],
+                             _views(buffers[rank], [layout[i] for i in mine]))
 
     tensors: Dict[str, torch.Tensor] = {}
     for root, buffer in buffers.items():

@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from tensorplay_hpc.comm import agree
+from tensorplay_hpc.comm.agreement import fail_together
 from tensorplay_hpc.comm.mpi import MPI
 
 from . import format as fmt
@@ -146,12 +146,9 @@ def collect(comm: MPI.Intracomm, path: str, model: Optional[torch.nn.Module],
     Raises:
         CheckpointError: on every rank, if any rank failed.
     """
-    error, snap = None, Snapshot()
-    try:
+    snap = Snapshot()
+    with fail_together(comm, f"saving checkpoint {os.path.abspath(path)}", fmt.CheckpointError):
         snap = take(comm.Get_rank(), Replicas(comm, replica_group), model, optimizer, extra)
         if copy is not None:
             snap.datasets = copy(snap.datasets)
-    except Exception as failure:
-        error = failure
-    agree(comm, error, f"saving checkpoint {os.path.abspath(path)}", fmt.CheckpointError)
     return snap

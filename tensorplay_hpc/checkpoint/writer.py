@@ -30,8 +30,9 @@ import h5py
 import numpy as np
 from tensorplay_hpc.comm.mpi import MPI
 
-from tensorplay_hpc.comm import agree, quiet_barrier
-from tensorplay_hpc.comm.watchdog import watched
+from tensorplay_hpc.comm.agreement import fail_together
+from tensorplay_hpc.comm.small_collectives import (all_gather_object, barrier, broadcast_array,
+                                                   broadcast_object, gather_array, quiet_barrier)
 
 from . import files
 from . import format as fmt
@@ -273,34 +274,22 @@ def _write(layout: Layout, comm: MPI.Intracomm, what: str) -> None:
     Raises:
         CheckpointError: on every rank, if any rank failed.
     """
+    together = dict(comm=comm, what=what, exc_type=fmt.CheckpointError, quiet=layout.background)
     offsets = np.full(len(layout.catalog.datasets), -1, dtype=np.int64)
-    columns_offset, error = -1, None
-    if comm.Get_rank() == 0:
-        try:
+    columns_offset = -1
+    with fail_together(**together):
+        if comm.Get_rank() == 0:
             offsets, columns_offset = _lay_out(layout.temporary, layout.catalog,
                                                layout.root_attributes)
-        except Exception as failure:
-            error = failure
-    with watched("checkpoint file layout", comm):
-        agree(comm, error, what, fmt.CheckpointError, quiet=layout.background)
-        comm.Bcast(offsets, root=0)
-    error, crcs = None, np.zeros(len(layout.arrays), dtype=np.int64)
-    try:
+    broadcast_array(offsets, comm)
+    crcs = np.zeros(len(layout.arrays), dtype=np.int64)
+    with fail_together(**together):
         crcs = _write_own(layout.temporary, layout.catalog, offsets, layout.first_row,
                           layout.arrays)
-    except Exception as failure:
-        error = failure
-    with watched("checkpoint file write (MPI-IO)", comm):
-        agree(comm, error, what, fmt.CheckpointError, quiet=layout.background)
-        every = np.empty(len(layout.catalog.names), np.int64) if comm.Get_rank() == 0 else None
-        comm.Gatherv(crcs, None if every is None else [every, layout.rows, MPI.INT64_T], root=0)
-    error = None
-    if comm.Get_rank() == 0:
-        try:
+    every = gather_array(crcs, layout.rows, comm)
+    with fail_together(**together):
+        if comm.Get_rank() == 0:
             _write_columns(layout.temporary, columns_offset, layout.catalog, every)
-        except Exception as failure:
-            error = failure
-    agree(comm, error, what, fmt.CheckpointError, quiet=layout.background)
 
 
 @dataclass
@@ -333,8 +322,9 @@ def plan(path: str, snapshot: Snapshot, comm: MPI.Intracomm, keep: Optional[int]
     path = os.path.abspath(path)
     rank = comm.Get_rank()
     what = f"saving checkpoint {path}"
-    error, arrays, layout = None, [], ([], [], [])
-    try:
+    together = dict(comm=comm, what=what, exc_type=fmt.CheckpointError, quiet=background)
+    arrays, layout = [], ([], [], [])
+    with fail_together(**together):
         if keep is not None and keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
         for name, tensor in snapshot.datasets:
@@ -344,11 +334,8 @@ def plan(path: str, snapshot: Snapshot, comm: MPI.Intracomm, keep: Optional[int]
                 column.append(value)
         if rank == 0:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-    except Exception as failure:
-        error = failure
-    agree(comm, error, what, fmt.CheckpointError, quiet=background)
 
-    gathered = comm.allgather((layout, snapshot.attributes))
+    gathered = all_gather_object((layout, snapshot.attributes), comm)
     names, shapes, dtypes = ([value for part, _ in gathered for value in part[c]]
                              for c in range(3))
     attributes: Dict[str, dict] = {}
@@ -361,22 +348,14 @@ def plan(path: str, snapshot: Snapshot, comm: MPI.Intracomm, keep: Optional[int]
     # The checksums are taken as each rank writes (see :func:`_write_own`).
     catalog = Catalog.lay_out(names, shapes, dtypes, np.zeros(len(names), np.int64), attributes)
 
-    temporary = comm.bcast(files.temporary_name(path) if rank == 0 else None, root=0)
-    error = None
-    if rank == 0:
-        try:
+    temporary = broadcast_object(files.temporary_name(path) if rank == 0 else None, comm)
+    with fail_together(**together, catch=OSError):
+        if rank == 0:
             files.check_space(path, _file_size(catalog))
             files.create_empty(temporary)
-        except OSError as failure:
-            error = failure
-    agree(comm, error, what, fmt.CheckpointError, quiet=background)
-    error = None
     try:
-        files.check_visible(temporary)
-    except OSError as failure:
-        error = failure
-    try:
-        agree(comm, error, what, fmt.CheckpointError, quiet=background)
+        with fail_together(**together, catch=OSError):
+            files.check_visible(temporary)
     except fmt.CheckpointError:
         if rank == 0:
             files.discard(temporary)
@@ -413,21 +392,20 @@ def commit(layout: Layout, comm: MPI.Intracomm, keep: Optional[int] = None) -> s
         CheckpointError: on every rank, if the rename failed; the temporary file is deleted.
     """
     rank = comm.Get_rank()
-    error = None
-    if rank == 0:
-        try:
-            files.commit(layout.temporary, layout.path)
-        except Exception as failure:
-            error = failure
-            files.discard(layout.temporary)
-    agree(comm, error, f"saving checkpoint {layout.path}", fmt.CheckpointError,
-          quiet=layout.background)
+    with fail_together(comm, f"saving checkpoint {layout.path}", fmt.CheckpointError,
+                       quiet=layout.background):
+        if rank == 0:
+            try:
+                files.commit(layout.temporary, layout.path)
+            except Exception:
+                files.discard(layout.temporary)
+                raise
     if keep is not None and rank == 0:
         files.prune(layout.path, keep)
     if layout.background:
         quiet_barrier(comm)
     else:
-        comm.Barrier()
+        barrier(comm)
     return layout.path
 
 

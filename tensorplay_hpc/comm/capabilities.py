@@ -13,8 +13,10 @@ from __future__ import annotations
 import os
 from typing import List
 
+from .communicators import duplicate, split_by_node
 from .library import thread_level, thread_level_name
 from .mpi import MPI
+from .small_collectives import all_gather_object, all_reduce_object
 
 TRANSPORT_ENV = "TENSORPLAY_HPC_RMA_TRANSPORT"
 TRANSPORTS = ("auto", "shared", "mpi", "served")
@@ -25,7 +27,7 @@ __all__ = ["TRANSPORTS", "TRANSPORT_ENV", "one_sided_works", "ranks_below_multip
 
 def thread_levels(communicator: MPI.Intracomm) -> List[int]:
     """The thread level (``MPI.Query_thread``) of every rank, in rank order. Collective."""
-    return communicator.allgather(thread_level())
+    return all_gather_object(thread_level(), communicator)
 
 
 def ranks_below_multiple(communicator: MPI.Intracomm) -> List[int]:
@@ -38,9 +40,10 @@ def ranks_below_multiple(communicator: MPI.Intracomm) -> List[int]:
 def within_one_node(communicator: MPI.Intracomm) -> bool:
     """Whether all ranks share one node's memory (``Split_type(COMM_TYPE_SHARED)``).
     Collective."""
-    node = communicator.Split_type(MPI.COMM_TYPE_SHARED)
+    node = split_by_node(communicator)
     try:
-        return communicator.allreduce(node.Get_size() == communicator.Get_size(), op=MPI.LAND)
+        return all_reduce_object(node.Get_size() == communicator.Get_size(), communicator,
+                                 MPI.LAND)
     finally:
         node.Free()
 
@@ -48,7 +51,7 @@ def within_one_node(communicator: MPI.Intracomm) -> bool:
 def one_sided_works(communicator: MPI.Intracomm) -> bool:
     """Whether passive-target windows from ``MPI.Win.Allocate`` can be made over
     ``communicator``: a tiny one is tried (and freed) on a duplicate. Collective."""
-    probe = communicator.Dup()
+    probe = duplicate(communicator)
     try:
         try:
             window = MPI.Win.Allocate(8, disp_unit=1, comm=probe)
@@ -57,7 +60,7 @@ def one_sided_works(communicator: MPI.Intracomm) -> bool:
         else:
             window.Free()
             made = True
-        return probe.allreduce(made, op=MPI.LAND)
+        return all_reduce_object(made, probe, MPI.LAND)
     finally:
         probe.Free()
 

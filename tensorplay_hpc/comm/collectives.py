@@ -19,6 +19,7 @@ from .chunking import chunk_elements, chunks, piece_elements
 from .consistency import check_collective, debug_enabled
 from .dtypes import ReduceOp, half_sum_op, is_half, reduce_dtype, reduce_op
 from .flat_buffer import group_by_dtype_device, pack_by_dtype_device
+from .small_collectives import all_gather_array
 from .staging import Staged, direct_datatype, memory, needs_host_copy
 from .watchdog import watched
 from .work import Work, complete
@@ -301,9 +302,8 @@ def gather(input: torch.Tensor, comm: MPI.Intracomm, root: int = 0,
         _refuse("gather", comm, input)
     rank = comm.Get_rank()
     if counts is None:
-        counts = np.empty(comm.Get_size(), dtype=np.int64)
-        comm.Allgather(np.array([input.numel()], dtype=np.int64), counts)
-        counts = counts.tolist()
+        counts = all_gather_array(np.array([input.numel()], dtype=np.int64), comm)
+        counts = counts.reshape(-1).tolist()
     counts = _check_counts(counts, comm, sum(int(c) for c in counts), "gather")
     if input.numel() != counts[rank]:
         raise ValueError(f"gather: rank {rank} sends {input.numel()} elements, counts say "

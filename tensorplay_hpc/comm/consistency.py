@@ -11,6 +11,7 @@ import torch
 
 from .environment import read_once
 from .mpi import MPI
+from .small_collectives import all_gather_array, all_gather_object
 
 DEBUG_ENV = "TENSORPLAY_HPC_DEBUG"
 
@@ -36,28 +37,26 @@ def _digest(items: Sequence[Item]) -> bytes:
 
 
 def gather_digests(comm: MPI.Intracomm, digest: bytes) -> List[bytes]:
-    """Every rank's 20-byte ``digest``, in rank order. Collective: one ``Allgather`` of a flat
+    """Every rank's 20-byte ``digest``, in rank order. Collective: one allgather of a flat
     buffer."""
     mine = np.frombuffer(digest, dtype=np.uint8)
     if mine.size != _DIGEST_BYTES:
         raise ValueError(f"a digest has {_DIGEST_BYTES} bytes, got {mine.size} "
                          f"(rank {comm.Get_rank()})")
-    every = np.empty((comm.Get_size(), _DIGEST_BYTES), dtype=np.uint8)
-    comm.Allgather(mine, every)
-    return [row.tobytes() for row in every]
+    return [row.tobytes() for row in all_gather_array(mine, comm)]
 
 
 def check_consistent(comm: MPI.Intracomm, what: str, items: Sequence[Item]) -> None:
     """Raise ``ValueError`` on every rank unless all ranks pass equal ``items``. Collective.
 
-    One ``Allgather`` of a 20-byte digest when the ranks agree; on a mismatch the items
+    One allgather of a 20-byte digest when the ranks agree; on a mismatch the items
     themselves are gathered so that the message names the ranks and the first item that
     differs.
     """
     digests = gather_digests(comm, _digest(items))
     if len(set(digests)) == 1:
         return
-    everyone = comm.allgather(list(items))
+    everyone = all_gather_object(list(items), comm)
     reference = everyone[0]
     differing = [r for r, d in enumerate(digests) if d != digests[0]]
     rank = differing[0]

@@ -10,6 +10,7 @@ from typing import Optional, Tuple
 
 import torch
 from . import library
+from .communicators import split_by_node
 from .mpi import MPI
 
 CUDA_AWARE_ENV = "TENSORPLAY_HPC_CUDA_AWARE"
@@ -30,7 +31,7 @@ def is_cuda_aware() -> bool:
 
 def local_rank(comm: Optional[MPI.Intracomm] = None) -> int:
     """This process's rank among the processes of its node (``Split_type(COMM_TYPE_SHARED)``)."""
-    node = (comm or MPI.COMM_WORLD).Split_type(MPI.COMM_TYPE_SHARED)
+    node = split_by_node(comm or MPI.COMM_WORLD)
     try:
         return node.Get_rank()
     finally:

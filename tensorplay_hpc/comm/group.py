@@ -9,6 +9,7 @@ from .mpi import MPI
 
 from . import lifetime, watchdog
 from .abort import abort_on_uncaught
+from .communicators import duplicate
 
 
 def _kind(process_group: object) -> str:
@@ -86,7 +87,7 @@ class ProcessGroup(lifetime.Closeable):
                 "(it holds MPI.COMM_NULL)")
         self.owner = owner
         abort_on_uncaught()
-        self._comm: MPI.Intracomm = self.parent.Dup()
+        self._comm: MPI.Intracomm = duplicate(self.parent)
         self.rank: int = self._comm.Get_rank()
         self.size: int = self._comm.Get_size()
         # As traces name it; a duplicate of a duplicate keeps the name.

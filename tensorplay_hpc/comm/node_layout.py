@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
+from .communicators import split_by_node
 from .mpi import MPI
+from .small_collectives import all_gather_object, all_reduce_object
 
 __all__ = ["NodeLayout"]
 
@@ -24,12 +26,12 @@ class NodeLayout:
 
     def __init__(self, communicator: MPI.Intracomm) -> None:
         self.rank = communicator.Get_rank()
-        shared = communicator.Split_type(MPI.COMM_TYPE_SHARED)
+        shared = split_by_node(communicator)
         try:
-            lowest = shared.allreduce(self.rank, op=MPI.MIN)
+            lowest = all_reduce_object(self.rank, shared, MPI.MIN)
         finally:
             shared.Free()
-        lowest_of = communicator.allgather(lowest)
+        lowest_of = all_gather_object(lowest, communicator)
         self.nodes: Tuple[Tuple[int, ...], ...] = tuple(
             tuple(r for r, first in enumerate(lowest_of) if first == node_first)
             for node_first in sorted(set(lowest_of)))

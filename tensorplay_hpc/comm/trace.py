@@ -303,24 +303,25 @@ def write(comm: Optional[MPI.Intracomm] = None) -> Optional[Path]:
             ``TENSORPLAY_HPC_TRACE`` for every rank, e.g. ``mpiexec -x``).
     """
     global _written
+    from . import small_collectives as small   # which records its collectives here
     comm = comm or MPI.COMM_WORLD
-    tracing = comm.allgather(_kept is not None)
+    operations = list(_kept or ())   # the trace ends before its own writing
+    tracing = small.all_gather_object(_kept is not None, comm)
     if not any(tracing):
         return None
     if not all(tracing):
         raise RuntimeError(f"trace.write: tracing is on for ranks "
                            f"{[r for r, on in enumerate(tracing) if on]} only, of "
                            f"{len(tracing)} (rank {comm.Get_rank()}): enable it on every rank")
-    operations = list(_kept)
-    comm.Barrier()
+    small.barrier(comm)
     here = perf_counter()
     earliest = min((op.start for op in operations), default=here)
-    lead = comm.allreduce(here - earliest, op=MPI.MAX)
+    lead = small.all_reduce_object(here - earliest, comm, MPI.MAX)
     rank = comm.Get_rank()
     events = chrome_events(operations, rank, here - lead)
     clock = "aligned at a barrier across ranks"
     _dump(events, rank_file(_directory, rank), clock)
-    gathered = comm.gather(events, root=0)
+    gathered = small.gather_object(events, comm)
     _written = True
     if rank != 0:
         return None

@@ -11,6 +11,10 @@ with a bounded wait, and names the ranks whose count is behind and those that di
 Every rank asked, and the stalled one, print their last operations (:mod:`.trace`): which
 collective, or which compute span of the training job, each rank was in.
 
+A collective on a communicator that no process group made (a user's communicator, the ``Dup``
+that makes a group) is counted on a watched communicator with the same ranks, if there is one;
+otherwise it is still aborted on time, but the late ranks cannot be named.
+
 Asking needs ``MPI_THREAD_MULTIPLE`` (the thread talks while the main thread is inside the
 collective). Below it the watchdog still aborts on time, but says that the late ranks cannot be
 named.
@@ -27,8 +31,8 @@ from typing import ContextManager, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
-from . import trace
-from .capabilities import thread_level_name, thread_levels
+from . import capabilities, communicators, trace
+from .library import thread_level_name
 from .mpi import MPI
 
 TIMEOUT_ENV = "TENSORPLAY_HPC_COLLECTIVE_TIMEOUT"
@@ -64,10 +68,11 @@ class ArrivalCounter:
 
     def __init__(self, comm: MPI.Intracomm, name: str) -> None:
         self.comm, self.name = comm, name
+        self.ranks = world_ranks(comm)
         self.count = 0
-        self.level = min(thread_levels(comm))     # agreed, so that all ranks Dup or none
+        self.level = min(capabilities.thread_levels(comm))   # agreed: all ranks Dup or none
         self.queries: Optional[MPI.Intracomm] = (
-            comm.Dup() if self.level == MPI.THREAD_MULTIPLE else None)
+            communicators.duplicate(comm) if self.level == MPI.THREAD_MULTIPLE else None)
         self._query = np.zeros(1, dtype=np.int64)
         self._sends: List[Tuple[MPI.Request, np.ndarray]] = []
 
@@ -116,18 +121,34 @@ class ArrivalCounter:
             queries.Free()
 
 
+def world_ranks(comm: MPI.Comm) -> Tuple[int, ...]:
+    """The ``MPI.COMM_WORLD`` ranks of ``comm``'s ranks, in its rank order. Local."""
+    group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        return tuple(MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world))
+    finally:
+        group.Free()
+        world.Free()
+
+
 class _Watch:
-    """The watchdog's view of one blocking collective while it runs, around the context
-    ``within`` (the collective's trace entry)."""
+    """The watchdog's view of one blocking collective on ``comm`` while it runs, around the
+    context ``within`` (the collective's trace entry); ``counter`` counts it (``None``: no
+    watched communicator has these ranks)."""
 
-    __slots__ = ("operation", "counter", "within", "number", "started")
+    __slots__ = ("operation", "comm", "counter", "within", "number", "started")
 
-    def __init__(self, operation: str, counter: ArrivalCounter, within: ContextManager) -> None:
-        self.operation, self.counter, self.within = operation, counter, within
+    def __init__(self, operation: str, comm: MPI.Intracomm, counter: Optional[ArrivalCounter],
+                 within: ContextManager) -> None:
+        self.operation, self.comm, self.counter, self.within = operation, comm, counter, within
 
     def __enter__(self) -> None:
-        self.counter.count += 1
-        self.number, self.started = self.counter.count, time.monotonic()
+        if self.counter is not None:
+            self.counter.count += 1
+            self.number = self.counter.count
+        else:
+            self.number = 0
+        self.started = time.monotonic()
         _running.add(self)
         self.within.__enter__()
 
@@ -162,7 +183,10 @@ def _run() -> None:
 
 def _report_and_abort(watch: _Watch, limit: float) -> None:
     counter = watch.counter
-    if counter.queries is None:
+    if counter is None:
+        ranks = ("the ranks not arrived cannot be named: no communicator of the library's "
+                 "process groups has these ranks, and the watchdog counts collectives only there")
+    elif counter.queries is None:
         ranks = (f"the ranks not arrived cannot be named at thread level "
                  f"{thread_level_name(counter.level)} (the watchdog needs MPI_THREAD_MULTIPLE "
                  "to ask them)")
@@ -172,8 +196,14 @@ def _report_and_abort(watch: _Watch, limit: float) -> None:
         silent = [r for r, c in enumerate(counts) if c is None]
         ranks = (f"ranks not arrived: {missing or 'none'}"
                  + (f"; ranks not answering: {silent}" if silent else ""))
-    _say(f"collective timeout: {watch.operation} (collective #{watch.number}) on communicator "
-         f"{counter.name} of {counter.comm.Get_size()} ranks has waited "
+    if counter is not None and watch.comm.handle == counter.comm.handle:
+        where = counter.name
+    else:
+        where = trace.communicator_name(watch.comm) + (
+            "" if counter is None else f" (counted with {counter.name})")
+    number = "" if counter is None else f" (collective #{watch.number})"
+    _say(f"collective timeout: {watch.operation}{number} on communicator {where} of "
+         f"{watch.comm.Get_size()} ranks has waited "
          f"{time.monotonic() - watch.started:.0f} s (limit {limit:g} s); {ranks}. Aborting the "
          f"job. This rank's last operations, oldest first:\n{trace.describe_recent()}")
     MPI.COMM_WORLD.Abort(3)
@@ -228,9 +258,21 @@ _UNWATCHED = nullcontext()
 
 
 def watched(operation: str, comm: MPI.Intracomm,
-            within: ContextManager = _UNWATCHED) -> ContextManager:
+            within: ContextManager = _UNWATCHED, counted: bool = True) -> ContextManager:
     """A context in which to run a blocking collective on ``comm`` under the watchdog, entering
-    ``within`` (the collective's trace entry) inside it; for a communicator that is not
-    watched, ``within`` itself, so that an unwatched collective pays for one context only."""
-    counter = _counters.get(comm.handle) if _counters else None
-    return within if counter is None else _Watch(operation, counter, within)
+    ``within`` (the collective's trace entry) inside it; while the watchdog is off,
+    ``within`` itself, so that an unwatched collective pays for one context only.
+    ``counted=False``: not every rank of ``comm`` takes part (``Create_group``), so the call is
+    not counted, and only aborted on time."""
+    if not _counters:
+        return within
+    counter = _counters.get(comm.handle) if counted else None
+    if counter is None and counted:
+        counter = _counter_with_ranks(comm)
+    return _Watch(operation, comm, counter, within)
+
+
+def _counter_with_ranks(comm: MPI.Intracomm) -> Optional[ArrivalCounter]:
+    """The counter of a watched communicator with the same ranks as ``comm``, if any."""
+    ranks = world_ranks(comm)
+    return next((c for c in list(_counters.values()) if c.ranks == ranks), None)

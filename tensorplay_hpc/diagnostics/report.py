@@ -18,7 +18,9 @@ import torch
 import tensorplay_hpc
 from tensorplay_hpc.comm import capabilities, library
 from tensorplay_hpc.comm.cuda import cuda_awareness
+from tensorplay_hpc.comm.communicators import split_by_node
 from tensorplay_hpc.comm.mpi import MPI
+from tensorplay_hpc.comm.small_collectives import all_gather_object, all_reduce_object
 
 from . import settings
 
@@ -40,9 +42,9 @@ def _this_rank() -> Dict[str, Any]:
 def _windows(world: MPI.Intracomm) -> Dict[str, Optional[bool]]:
     """Whether ``MPI.Win.Allocate`` works among the ranks of each node, and over all ranks when
     they span nodes (``None``: nothing to probe). Collective."""
-    node = world.Split_type(MPI.COMM_TYPE_SHARED)
+    node = split_by_node(world)
     try:
-        within = world.allreduce(capabilities.one_sided_works(node), op=MPI.LAND)
+        within = all_reduce_object(capabilities.one_sided_works(node), world, MPI.LAND)
     finally:
         node.Free()
     one_node = capabilities.within_one_node(world)
@@ -130,8 +132,8 @@ def collect(world: Optional[MPI.Intracomm] = None) -> Dict[str, Any]:
     ``world`` (default ``MPI.COMM_WORLD``): each rank tells its host, thread level and GPUs,
     and windows are tried within each node and across nodes."""
     world = MPI.COMM_WORLD if world is None else world
-    ranks = world.allgather(_this_rank())
-    below = world.allreduce(library.thread_level() < MPI.THREAD_MULTIPLE, op=MPI.LOR)
+    ranks = all_gather_object(_this_rank(), world)
+    below = all_reduce_object(library.thread_level() < MPI.THREAD_MULTIPLE, world, MPI.LOR)
     windows = _windows(world)
     aware, source = cuda_awareness()
     hosts = list(dict.fromkeys(r["host"] for r in ranks))

@@ -11,7 +11,9 @@ import torch
 
 from tensorplay_hpc import checkpoint, comm
 from tensorplay_hpc.comm import trace
+from tensorplay_hpc.comm.communicators import split_by_node
 from tensorplay_hpc.comm.mpi import MPI
+from tensorplay_hpc.comm.small_collectives import all_gather_object, broadcast_object
 
 from . import strategy as strategies
 from .config import TrainConfig, UsageError
@@ -43,7 +45,7 @@ def _threads_per_rank(world: MPI.Intracomm, requested: int) -> int:
         return requested
     if os.environ.get("SLURM_CPUS_PER_TASK", "").isdigit():
         return int(os.environ["SLURM_CPUS_PER_TASK"])
-    node = world.Split_type(MPI.COMM_TYPE_SHARED)
+    node = split_by_node(world)
     ranks_here = node.Get_size()
     node.Free()
     return max(1, len(os.sched_getaffinity(0)) // ranks_here)
@@ -54,7 +56,7 @@ def _device(config: TrainConfig, world: MPI.Intracomm) -> torch.device:
     ``--device cuda``. Collective."""
     if config.device == "cpu":
         return torch.device("cpu")
-    without = [rank for rank, has in enumerate(world.allgather(torch.cuda.is_available()))
+    without = [rank for rank, has in enumerate(all_gather_object(torch.cuda.is_available(), world))
                if not has]
     if without:
         raise UsageError(f"--device cuda, but ranks {without} of {world.Get_size()} see no GPU "
@@ -73,7 +75,7 @@ def _check_run_folder(config: TrainConfig, world: MPI.Intracomm) -> None:
             check_unused(config)
         except UsageError as error:
             problem = error
-    problem = world.bcast(problem, root=0)
+    problem = broadcast_object(problem, world)
     if problem is not None:
         raise problem
 
@@ -142,8 +144,8 @@ class Run(comm.Closeable):
         """``(path, extras)`` of the newest checkpoint that loads (the ranks verify its checksums
         together), passing over damaged ones; ``None`` if there is none. Collective."""
         directory = str(self.config.checkpoint_dir)
-        paths = self.group.comm.bcast(checkpoint.checkpoints(directory) if self.group.rank == 0
-                                      else None, root=0)
+        paths = broadcast_object(checkpoint.checkpoints(directory) if self.group.rank == 0
+                                 else None, self.group.comm)
         for path in reversed(paths):
             try:
                 with trace.caller("checkpoint load"):

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from tensorplay_hpc.comm.communicators import create_group
 from tensorplay_hpc.comm.group import ProcessGroup
 from tensorplay_hpc.comm.mpi import MPI
 
@@ -61,7 +62,7 @@ def _create(options: Any, backend_options: Any) -> MPIProcessGroup:
     else:
         members = world.Get_group()
         chosen = members.Incl(ranks)
-        created = world.Create_group(chosen)
+        created = create_group(world, chosen)
         members.Free()
         chosen.Free()
         group = ProcessGroup(created, owner=owner)

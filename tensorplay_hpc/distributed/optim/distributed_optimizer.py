@@ -34,7 +34,9 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Type
 
 import torch
 
-from tensorplay_hpc.comm import Closeable, agree, trace
+from tensorplay_hpc.comm import Closeable, trace
+from tensorplay_hpc.comm.agreement import fail_together
+from tensorplay_hpc.comm.small_collectives import all_gather_object, barrier
 from tensorplay_hpc.comm.consistency import check_consistent
 from tensorplay_hpc.comm.dtypes import reduce_dtype
 from tensorplay_hpc.distributed import autograd
@@ -149,7 +151,7 @@ class DistributedOptimizer(Closeable):
         self._shared.check_open()
         communicator = self._shared.communicator
         mine = sorted({(ref.owner(), ref.index) for ref in self._refs})
-        union = sorted({key for keys in communicator.allgather(mine) for key in keys})
+        union = sorted({key for keys in all_gather_object(mine, communicator) for key in keys})
         self._keys: List[ParamKey] = union  # a parameter's position is its global index
         by_rank = [self._shared.refs_of(owner) for owner in range(self._shared.size)]
         self._parameters = [by_rank[owner][index] for owner, index in union]
@@ -175,18 +177,14 @@ class DistributedOptimizer(Closeable):
             self._grads = {ref: torch.empty(ref.shape, dtype=reduce_dtype(ref.dtype))
                            for ref in self._refs}
             self._fetched = {ref: self._buffers(ref) for ref in self._refs}
-        communicator.Barrier()  # every owner's flags are cleared before anyone steps
+        barrier(communicator)  # every owner's flags are cleared before anyone steps
 
     def _construct(self, args: tuple, kwargs: dict) -> torch.optim.Optimizer:
         """The optimizer over this rank's stand-ins. Collective: a failure on any rank is raised
         on all."""
-        optimizer, error = None, None
-        try:
+        with fail_together(self._shared.communicator,
+                           f"constructing DistributedOptimizer({self._optimizer_class.__name__})"):
             optimizer = self._optimizer_class(list(self._proxies.values()), *args, **kwargs)
-        except Exception as failure:
-            error = failure
-        agree(self._shared.communicator, error,
-              f"constructing DistributedOptimizer({self._optimizer_class.__name__})")
         return optimizer
 
     def _agree_on_entries(self, args: tuple,
@@ -198,17 +196,13 @@ class DistributedOptimizer(Closeable):
         communicator = self._shared.communicator
         entries: Dict[Spec, List[StateEntry]] = {}
         unlearned: Dict[Spec, str] = {}
-        error = None
-        try:
+        with fail_together(communicator, f"constructing DistributedOptimizer({name})"):
             for ref in self._parameters:
                 spec = (tuple(ref.shape), ref.dtype)
                 if spec not in entries:
                     entries[spec], why = learn_state(self._optimizer_class, *spec, args, kwargs)
                     if why is not None:
                         unlearned[spec] = why
-        except Exception as failure:
-            error = failure
-        agree(communicator, error, f"constructing DistributedOptimizer({name})")
         check_consistent(communicator, f"DistributedOptimizer: the state {name} keeps (give every "
                          "rank the same configuration)",
                          sorted((f"{spec[1]} {spec[0]}", "unknown: its step on a dummy failed"

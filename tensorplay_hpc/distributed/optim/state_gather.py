@@ -16,6 +16,7 @@ import torch
 
 from tensorplay_hpc import comm
 from tensorplay_hpc.comm.mpi import MPI
+from tensorplay_hpc.comm.small_collectives import all_gather_object, gather_object
 
 State = Dict[int, Dict[Any, Any]]
 Stream = Tuple[torch.dtype, torch.device, bool]
@@ -78,8 +79,8 @@ def gather_state(state: State, group: MPI.Intracomm, root: int) -> Optional[Stat
     """Every rank's ``state`` (global index -> state dict) merged on rank ``root``, with its tensors
     on the host; ``None`` on the other ranks. Collective over ``group``."""
     shard = _Shard(state)
-    all_counts = group.allgather(shard.counts())
-    all_metadata = group.gather(shard.metadata(), root=root)
+    all_counts = all_gather_object(shard.counts(), group)
+    all_metadata = gather_object(shard.metadata(), group, root)
     flats = {}
     for stream in sorted({s for counts in all_counts for s in counts}, key=str):
         flats[stream] = comm.gather(shard.pack(stream), group, root,

@@ -60,6 +60,7 @@ from torch.optim import Optimizer
 
 from tensorplay_hpc import comm
 from tensorplay_hpc.comm import trace
+from tensorplay_hpc.comm.agreement import fail_together
 from tensorplay_hpc.comm.consistency import Item
 from tensorplay_hpc.distributed.algorithms.join import Join, Joinable, JoinHook
 
@@ -81,7 +82,7 @@ def _typename(value: Any) -> str:
 
 
 # Errors of local checks leave out the rank: they are raised only once every rank is known to
-# have raised the same one (see ZeroRedundancyOptimizer._agree).
+# have raised the same one (see tensorplay_hpc.comm.agreement.fail_together).
 
 
 def _check_dense_tensors(params: Iterable[Any]) -> None:
@@ -226,21 +227,20 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable, comm.Closeable):
         self.process_group = self._group.parent
         self.rank: int = self._group.rank
         self.world_size: int = self._group.size
-        error = None
         try:
-            groups = _param_groups(params)
-            if overlap_with_ddp and len(groups) != 1:
-                raise ValueError("ZeroRedundancyOptimizer with overlap_with_ddp=True supports a "
-                                 f"single parameter group, got {len(groups)}")
-            Optimizer.__init__(self, groups, defaults)
-        except Exception as failure:
-            error = failure
-        try:
-            self._agree("ZeroRedundancyOptimizer needs the same arguments on every rank", error, [
-                ("optimizer", f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"),
-                ("parameters_as_bucket_view", bool(parameters_as_bucket_view)),
-                ("overlap_with_ddp", bool(overlap_with_ddp))],
-                lambda: _group_items(self.param_groups, 0))
+            with fail_together(
+                    self._group.comm, "ZeroRedundancyOptimizer needs the same arguments on every "
+                    "rank", items=[
+                        ("optimizer",
+                         f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"),
+                        ("parameters_as_bucket_view", bool(parameters_as_bucket_view)),
+                        ("overlap_with_ddp", bool(overlap_with_ddp))],
+                    valid_items=lambda: _group_items(self.param_groups, 0)):
+                groups = _param_groups(params)
+                if overlap_with_ddp and len(groups) != 1:
+                    raise ValueError("ZeroRedundancyOptimizer with overlap_with_ddp=True supports "
+                                     f"a single parameter group, got {len(groups)}")
+                Optimizer.__init__(self, groups, defaults)
         except Exception:
             self._group.close()   # every rank raises: free the duplicate now
             raise
@@ -303,22 +303,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable, comm.Closeable):
             rank_of, self.world_size, [p.numel() for p in self.params_by_index]))
         self._overlap = DDPOverlap(self, ddp, shards)
         return self._overlap
-
-    def _agree(self, what: str, error: Optional[BaseException],
-               items: Iterable[Item] = (),
-               valid_items: Callable[[], List[Item]] = list) -> None:
-        """Raise on every rank unless all ranks agree. Collective: one allgather of a digest.
-
-        The ranks compare ``items``, then the outcome of their local work (``error`` or none),
-        then, without an error, ``valid_items()``. A difference is a ``ValueError`` on every rank
-        naming the ranks and the first item that differs; else an error (the same on every rank)
-        is raised again.
-        """
-        outcome = "ok" if error is None else f"{type(error).__name__}: {error}"
-        comm.check_consistent(self._group.comm, what, [
-            *items, ("outcome", outcome), *(valid_items() if error is None else [])])
-        if error is not None:
-            raise error
 
     def _require_local_optimizer(self, what: str) -> None:
         if self._overlap_with_ddp and self._overlap is None:
@@ -392,16 +376,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable, comm.Closeable):
         if self._overlap_with_ddp:
             raise RuntimeError("ZeroRedundancyOptimizer with overlap_with_ddp=True supports a "
                                f"single parameter group (rank {self.rank})")
-        count, error = len(self.param_groups), None
+        count = len(self.param_groups)
         try:
-            super().add_param_group(param_group)
-            _check_dense_tensors(self.param_groups[-1]["params"])
-        except Exception as failure:
-            error = failure
-        try:
-            self._agree("ZeroRedundancyOptimizer.add_param_group needs the same group on every "
-                        "rank", error, valid_items=lambda: _group_items(
-                            self.param_groups[-1:], len(self.params_by_index)))
+            with fail_together(self._group.comm, "ZeroRedundancyOptimizer.add_param_group needs "
+                               "the same group on every rank", valid_items=lambda: _group_items(
+                                   self.param_groups[-1:], len(self.params_by_index))):
+                super().add_param_group(param_group)
+                _check_dense_tensors(self.param_groups[-1]["params"])
         except Exception:
             del self.param_groups[count:]
             raise
@@ -557,8 +538,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable, comm.Closeable):
 
     def _load_state_dict(self, state_dict: Dict[str, Any], copies: bool) -> None:
         self._require_local_optimizer("load_state_dict()")
-        error, saved_groups, local = None, [], {}
-        try:
+        saved_groups, local = [], {}
+        with fail_together(self._group.comm, "ZeroRedundancyOptimizer.load_state_dict needs a "
+                           "state dict that fits every rank",
+                           valid_items=lambda: [("param_groups", _hyperparameters(saved_groups))]):
             state_dict = dict(state_dict)
             for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
                 result = pre_hook(self, state_dict)
@@ -566,11 +549,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable, comm.Closeable):
                     state_dict = result
             saved_groups = state_dict["param_groups"]
             local = self._local_state_dict(saved_groups, state_dict["state"], copies)
-        except Exception as failure:
-            error = failure
-        self._agree("ZeroRedundancyOptimizer.load_state_dict needs a state dict that fits every "
-                    "rank", error,
-                    valid_items=lambda: [("param_groups", _hyperparameters(saved_groups))])
         self.optim.load_state_dict(local)
         for saved, group in zip(saved_groups, self.param_groups):
             group.update({k: copy.deepcopy(v) for k, v in saved.items() if k != "params"})

@@ -5,12 +5,12 @@ from __future__ import annotations
 import contextvars
 import queue
 import threading
-import time
 from typing import Callable, Optional
 
 import torch
 
 from tensorplay_hpc.comm.mpi import MPI
+from tensorplay_hpc.comm.small_collectives import quiet_barrier
 
 __all__ = ["CommThread", "ThreadWork", "wait_for_all"]
 
@@ -22,11 +22,10 @@ def wait_for_all(comm: MPI.Intracomm) -> None:
 
     A blocking MPI collective spins while it waits for late ranks, taking a core from the
     backward pass that runs beside it; waiting here first means the collective that follows
-    starts with every rank present. Collective.
+    starts with every rank present. Collective: :func:`~tensorplay_hpc.comm.quiet_barrier`
+    sleeping at most :data:`POLL_SECONDS` between tests.
     """
-    request = comm.Ibarrier()
-    while not request.Test():
-        time.sleep(POLL_SECONDS)
+    quiet_barrier(comm, POLL_SECONDS)
 
 
 class ThreadWork:

@@ -30,6 +30,7 @@ from tensorplay_hpc import comm
 from tensorplay_hpc.comm import chunking, library, staging, trace
 from tensorplay_hpc.comm.dtypes import move_datatype
 from tensorplay_hpc.comm.mpi import MPI
+from tensorplay_hpc.comm.small_collectives import all_gather_object, barrier
 
 from .locks import LockManager
 from .window import check_accumulable, check_transferable
@@ -71,7 +72,7 @@ class ServedWindow:
         self._comm = self._group.comm
         self.rank = self._group.rank
         self._comm_name = trace.communicator_name(self._comm)
-        self._sizes = self._comm.allgather(nbytes)
+        self._sizes = all_gather_object(nbytes, self._comm)
         self.local = torch.empty(nbytes, dtype=torch.uint8)
         self._locks = LockManager()
         self._accumulating = threading.Lock()  # accumulates are atomic with respect to each other
@@ -193,7 +194,7 @@ class ServedWindow:
         """Stop the service and release the memory. Collective; every rank's epochs must have
         ended."""
         if self._service.is_alive():
-            self._comm.Barrier()  # nobody sends requests any more
+            barrier(self._comm)  # nobody sends requests any more
             self._send(self.rank, STOP)
             self._service.join()
         self.local = torch.empty(0, dtype=torch.uint8)

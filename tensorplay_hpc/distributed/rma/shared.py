@@ -9,6 +9,7 @@ from tensorplay_hpc import comm
 from tensorplay_hpc.comm import library
 from tensorplay_hpc.comm.dtypes import move_datatype, reduce_dtype
 from tensorplay_hpc.comm.mpi import MPI
+from tensorplay_hpc.comm.small_collectives import all_gather_object, barrier
 
 from .buffer_pool import empty
 from .layout import Layout
@@ -58,8 +59,8 @@ class SharedTensors(comm.Closeable):
                                and library.target_progress_needed(self.transport == "mpi")
                                and MPI.Query_thread() == MPI.THREAD_MULTIPLE)
         specs = [(tuple(t.shape), t.dtype) for t in self._tensors]
-        gathered = self._group.comm.allgather(
-            (specs, [t.requires_grad for t in self._tensors]))
+        gathered = all_gather_object((specs, [t.requires_grad for t in self._tensors]),
+                                     self._group.comm)
         all_specs = [s for s, _ in gathered]
         self._value_layouts = [Layout(s) for s in all_specs]
         self._grad_layouts = [Layout([(shape, reduce_dtype(dtype)) for shape, dtype in s])
@@ -78,7 +79,7 @@ class SharedTensors(comm.Closeable):
         self.refs: List[RemoteRef] = [ref for refs in self._by_rank for ref in refs]
         self._progress = (ProgressThread(communicator=self._group.comm) if progress_thread
                           else None)
-        self._group.comm.Barrier()  # every owner's values are in place before anyone reads
+        barrier(self._group.comm)  # every owner's values are in place before anyone reads
 
     def check_open(self) -> None:
         """Raise ``RuntimeError`` if :meth:`close` has freed the windows. Local."""

@@ -17,7 +17,9 @@ from typing import List, Union
 
 from tensorplay_hpc.comm.mpi import MPI
 
-from tensorplay_hpc.comm import agree, capabilities, check_consistent
+from tensorplay_hpc.comm import capabilities, check_consistent
+from tensorplay_hpc.comm.agreement import fail_together
+from tensorplay_hpc.comm.small_collectives import all_gather_object
 from tensorplay_hpc.comm.capabilities import TRANSPORT_ENV, thread_level_name
 
 from .served import ServedWindow
@@ -51,16 +53,14 @@ def choose(communicator: MPI.Intracomm, progress_thread: bool = False) -> str:
         ValueError: on every rank, if ``TENSORPLAY_HPC_RMA_TRANSPORT`` is invalid on any, or
             differs between ranks.
     """
-    requested, error = None, None
-    try:
+    requested = None
+    with fail_together(communicator, f"rma.share: reading {TRANSPORT_ENV}", ValueError,
+                       catch=ValueError):
         requested = capabilities.requested_transport()
-    except ValueError as invalid:
-        error = invalid
-    agree(communicator, error, f"rma.share: reading {TRANSPORT_ENV}", ValueError)
     check_consistent(communicator, f"rma.share: {TRANSPORT_ENV}", [("transport", requested)])
     levels = capabilities.thread_levels(communicator)
     below = [rank for rank, level in enumerate(levels) if level < MPI.THREAD_MULTIPLE]
-    threads = [rank for rank, wanted in enumerate(communicator.allgather(progress_thread))
+    threads = [rank for rank, wanted in enumerate(all_gather_object(progress_thread, communicator))
                if wanted and rank in below]
     if threads:
         raise TransportError(f"rma.share(progress_thread=True) needs MPI_THREAD_MULTIPLE, but "

@@ -26,6 +26,7 @@ from typing import Callable, List, Optional
 import torch
 
 from tensorplay_hpc import comm
+from tensorplay_hpc.comm.communicators import split
 from tensorplay_hpc.comm.mpi import MPI
 
 from .default_hooks import allreduce_fut
@@ -63,9 +64,9 @@ class HierarchicalState(comm.Closeable):
         for color, key in ((self.layout.node, self.layout.node_rank),
                            (self.layout.node_rank, self.layout.node),
                            (self.layout.node, self.layout.node_rank)):
-            split = self._group.comm.Split(color, key)
-            self._levels.append(comm.ProcessGroup(split, owner="HierarchicalState"))
-            split.Free()
+            level = split(self._group.comm, color, key)
+            self._levels.append(comm.ProcessGroup(level, owner="HierarchicalState"))
+            level.Free()
 
     @property
     def node(self) -> MPI.Intracomm:

@@ -8,6 +8,7 @@ from typing import Optional
 from tensorplay_hpc.comm.mpi import MPI
 
 from tensorplay_hpc import comm
+from tensorplay_hpc.comm.communicators import split_by_node
 from tensorplay_hpc.comm.private import private_comm
 
 from .default_hooks import BucketWork, allreduce_fut
@@ -44,7 +45,7 @@ class PostLocalSGDState(comm.Closeable):
         self._global = private_comm(self.process_group)
         self._node: Optional[comm.ProcessGroup] = None
         if subgroup is None and post_local_gradient_allreduce:
-            node = self._global.Split_type(MPI.COMM_TYPE_SHARED)
+            node = split_by_node(self._global)
             self._node = comm.ProcessGroup(node, owner="PostLocalSGDState")
             node.Free()
             subgroup = self._node.comm

@@ -8,6 +8,8 @@ from typing import Dict, List, Optional
 from tensorplay_hpc.comm.mpi import MPI
 
 from tensorplay_hpc import comm
+from tensorplay_hpc.comm.communicators import split
+from tensorplay_hpc.comm.small_collectives import all_gather_object
 
 from .averagers import PERIOD_ONE_WARNING, ModelAverager
 from .utils import GRADIENTS_DIFFER, Params, average_on_communicator
@@ -90,11 +92,11 @@ class HierarchicalModelAverager(ModelAverager):
         Collective."""
         if size == self._group.size:
             return self._group.comm
-        split = self._group.comm.Split(block, self._group.rank)
-        owned = comm.ProcessGroup(split, owner="HierarchicalModelAverager")
-        split.Free()
+        blocked = split(self._group.comm, block, self._group.rank)
+        owned = comm.ProcessGroup(blocked, owner="HierarchicalModelAverager")
+        blocked.Free()
         self._subgroups.append(owned)
-        members = owned.comm.allgather(self._group.rank)
+        members = all_gather_object(self._group.rank, owned.comm)
         self._mismatch[period] = (
             f"{GRADIENTS_DIFFER} of the group averaging every {period} steps (process-group "
             f"ranks {members}, ranked 0 to {size - 1} below)")

@@ -7,6 +7,7 @@ import torch
 
 from tensorplay_hpc import comm
 from tensorplay_hpc.comm import trace
+from tensorplay_hpc.comm.agreement import fail_together
 from tensorplay_hpc.comm.consistency import Item
 from tensorplay_hpc.comm.dtypes import reduce_dtype
 from tensorplay_hpc.comm.mpi import MPI
@@ -52,15 +53,11 @@ def _checked(communicator: MPI.Intracomm, what: str,
     Collective: one allgather of a digest. A difference, or an error on some ranks only, is a
     ``ValueError`` on every rank naming the ranks and the first parameter that differs; an
     error on every rank alike is raised again."""
-    try:
-        tensors, items = describe()
-        error = None
-    except (NotImplementedError, TypeError) as failure:
-        tensors, items, error = [], [("outcome", f"{type(failure).__name__}: {failure}")], failure
-    comm.check_consistent(communicator, what, items)
-    if error is not None:
-        raise error
-    return tensors
+    described: Tuple[List[torch.Tensor], List[Item]] = ([], [])
+    with fail_together(communicator, what, catch=(NotImplementedError, TypeError),
+                       valid_items=lambda: described[1]):
+        described = describe()
+    return described[0]
 
 
 def _with_gradients(params: Params) -> Tuple[List[torch.Tensor], List[Item]]:
