@@ -121,8 +121,7 @@ class MPIProcessGroup(_C10dProcessGroup):
 
     def _end_coalescing(self, device: torch.device) -> BackendWork:
         works, self._coalesced = self._coalesced or [], None
-        outputs = [t for work in works for t in work._result]
-        return BackendWork(Work([], lambda: [w.wait() for w in works]), outputs)
+        return _joined(works, [t for work in works for t in work.outputs])
 
     # --- reductions -----------------------------------------------------------------------
 
@@ -166,7 +165,7 @@ class MPIProcessGroup(_C10dProcessGroup):
                                         inputs: List[torch.Tensor],
                                         opts: dist.ReduceScatterOptions) -> BackendWork:
         works = [self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)]
-        return self._joined(works, outputs)
+        return _joined(works, outputs)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
@@ -199,13 +198,13 @@ class MPIProcessGroup(_C10dProcessGroup):
     def allgather_coalesced(self, output_lists: List[List[torch.Tensor]],
                             inputs: List[torch.Tensor], opts: dist.AllgatherOptions) -> BackendWork:
         works = [self.allgather([o], [i], opts) for o, i in zip(output_lists, inputs)]
-        return self._joined(works, output_lists)
+        return _joined(works, output_lists)
 
     def allgather_into_tensor_coalesced(self, outputs: List[torch.Tensor],
                                         inputs: List[torch.Tensor],
                                         opts: dist.AllgatherOptions) -> BackendWork:
         works = [self._allgather_base(o, i, opts) for o, i in zip(outputs, inputs)]
-        return self._joined(works, outputs)
+        return _joined(works, outputs)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
@@ -285,14 +284,13 @@ class MPIProcessGroup(_C10dProcessGroup):
 
     # -------------------------------------------------------------------------------------
 
-    def _joined(self, works: List[BackendWork], outputs: list) -> BackendWork:
-        if self._coalesced is not None:   # each is already in the coalesced list
-            return BackendWork(None, outputs) if all(w._pending is None for w in works) \
-                else self._coalesced[-1]
-        return BackendWork(Work([], lambda: [w.wait() for w in works]), outputs)
-
     def __repr__(self) -> str:
         return f"MPIProcessGroup(name={self._name!r}, rank={self.rank()}, size={self.size()})"
+
+
+def _joined(works: List[BackendWork], outputs: list) -> BackendWork:
+    """One handle on several operations: complete when each is."""
+    return BackendWork(Work([], lambda: [work.wait() for work in works]), outputs)
 
 
 def _unpack(flat: torch.Tensor, outputs: Sequence[torch.Tensor]) -> None:

@@ -1,9 +1,15 @@
 """torch.distributed's ``Work`` for the backend's operations: a handle on the comm layer's
-nonblocking operation (or on one already complete), with a future that completes with it."""
+nonblocking operation (or on one already complete), and a future of its outputs.
+
+The future is complete when it is handed out: ``get_future()`` first completes the operation.
+Callers that chain work on a future (DDP's communication hooks, PowerSGD's second and third
+allreduces) then run their callbacks at once, in the calling thread, so every rank starts the
+chained collectives in the same order. A future that completed later, on some other thread,
+would start them in whatever order threads ran, and MPI matches collectives by order. Callers
+that ``wait()`` (FSDP2's prefetching all-gathers) keep the operation in flight until then.
+"""
 from __future__ import annotations
 
-import queue
-import threading
 from datetime import timedelta
 from typing import List, Optional
 
@@ -16,84 +22,40 @@ from tensorplay_hpc.comm.work import Work
 __all__ = ["BackendWork"]
 
 
-class _Completer:
-    """One background thread that waits for operations whose future someone holds (DDP chains
-    its bucket's work on the future), so that the future completes without anyone calling
-    ``wait()``. Operations complete in the order they were handed over, as they were started."""
-
-    def __init__(self) -> None:
-        self._queue: "queue.SimpleQueue[BackendWork]" = queue.SimpleQueue()
-        self._thread: Optional[threading.Thread] = None
-        self._lock = threading.Lock()
-
-    def is_current(self) -> bool:
-        """Whether the caller runs on the completer thread (inside a future's callback)."""
-        return threading.current_thread() is self._thread
-
-    def hand_over(self, work: "BackendWork") -> None:
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="tensorplay-c10d-completer",
-                                                daemon=True)
-                self._thread.start()
-        self._queue.put(work)
-
-    def _run(self) -> None:
-        while True:
-            work = self._queue.get()
-            try:
-                work.wait()
-            except BaseException:   # the future carries it to whoever waits on it
-                pass
-
-
-_completer = _Completer()
-
-
 class BackendWork(_Work):
     """A collective, send or receive of the ``mpi4py`` backend. ``pending`` is the comm
-    layer's handle, or ``None`` for an operation that has already completed; ``result`` is
-    what the future yields (the output tensors)."""
+    layer's handle, or ``None`` for an operation that has already completed; ``outputs`` is
+    what the future yields; ``source`` the sending rank of a receive."""
 
-    def __init__(self, pending: Optional[Work], result: List[torch.Tensor],
-                 source: int = -1) -> None:
+    def __init__(self, pending: Optional[Work], outputs: list, source: int = -1) -> None:
         super().__init__()
         self._pending = pending
-        self._result = result
+        self.outputs = outputs
         self._source = source
-        self._lock = threading.Lock()
-        self._future: Optional[Future] = None
         self._error: Optional[BaseException] = None
-
-    def _finish(self) -> None:
-        """Complete the comm layer's operation once (under the lock) and settle the future."""
-        with self._lock:
-            if self._pending is not None:
-                pending, self._pending = self._pending, None
-                try:
-                    pending.wait()
-                except BaseException as error:
-                    self._error = error
-                    if self._future is not None:
-                        self._future.set_exception(error)
-                    raise
-                if self._future is not None:
-                    self._future.set_result(self._result)
-            elif self._error is not None:
-                raise self._error
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         """Block until the operation is complete and its outputs are in place."""
-        self._finish()
+        if self._error is not None:
+            raise self._error
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            try:
+                pending.wait()
+            except BaseException as error:
+                self._error = error
+                raise
         return True
 
+    @property
+    def pending(self) -> bool:
+        """Whether the operation may still be in flight."""
+        return self._pending is not None
+
     def is_completed(self) -> bool:
-        with self._lock:
-            if self._pending is not None and self._pending.is_completed():
-                self._pending = None
-                if self._future is not None:
-                    self._future.set_result(self._result)
-            return self._pending is None
+        if self._pending is not None and self._pending.is_completed():
+            self._pending = None
+        return self._pending is None
 
     def is_success(self) -> bool:
         return self.is_completed() and self._error is None
@@ -103,7 +65,7 @@ class BackendWork(_Work):
 
     def result(self) -> List[torch.Tensor]:
         self.wait()
-        return self._result
+        return self.outputs
 
     def source_rank(self) -> int:
         return self._source
@@ -112,19 +74,12 @@ class BackendWork(_Work):
         return self._source
 
     def get_future(self) -> Future:
-        """A future of the output tensors; it completes in the background. Asked from a
-        callback of another future (PowerSGD waits there for its next allreduce), it completes
-        first: the completer thread cannot wait for itself."""
-        if _completer.is_current():
-            self._finish()
-        with self._lock:
-            if self._future is None:
-                self._future = Future()
-                if self._pending is None:
-                    if self._error is None:
-                        self._future.set_result(self._result)
-                    else:
-                        self._future.set_exception(self._error)
-                else:
-                    _completer.hand_over(self)
-            return self._future
+        """A future of the outputs, complete (see the module's note)."""
+        future: Future = Future()
+        try:
+            self.wait()
+        except BaseException as error:
+            future.set_exception(error)
+        else:
+            future.set_result(self.outputs)
+        return future
