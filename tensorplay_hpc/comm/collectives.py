@@ -24,6 +24,10 @@ from .staging import Staged, direct_datatype, memory, needs_host_copy
 from .watchdog import watched
 from .work import Work, complete
 
+__all__ = ["all_gather", "all_gather_v", "all_reduce", "all_reduce_coalesced", "all_to_all_v",
+           "barrier", "broadcast", "broadcast_coalesced", "gather", "reduce", "reduce_scatter",
+           "scatter"]
+
 
 def _displacements(counts: Sequence[int]) -> List[int]:
     displs, total = [], 0
@@ -219,6 +223,9 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, comm: MPI.Intracomm,
     dtype = input.dtype
     if total > chunk_elements() or dtype != output.dtype:
         return all_gather_v(output, [count] * size, comm, input, async_op)
+    if input.data_ptr() == output.data_ptr() + comm.Get_rank() * input.nbytes and count:
+        # ``input`` is this rank's part of ``output`` (FSDP2 gathers so): MPI wants IN_PLACE
+        return all_gather_v(output, [count] * size, comm, None, async_op)
     datatype = None if async_op else direct_datatype(input)
     if datatype is not None and output.is_cpu and output.is_contiguous():  # the common case
         send, recv = None, None
