@@ -2,6 +2,7 @@
 errors with status 2 and no traceback, and progress lines for batch logs."""
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import torch
 import tensorplay_hpc
 from tensorplay_hpc.train.progress import Progress
 from launch import ONLY_UNDER_ONE_RANK, REPO, clean_env, mpiexec_command, single_rank
-from train_launch import train_command
+from train_launch import on_read_only_mount, train_command
 
 pytestmark = pytest.mark.skipif(not single_rank(), reason=ONLY_UNDER_ONE_RANK)
 
@@ -43,6 +44,37 @@ def test_device_cuda_without_a_gpu_is_a_usage_error_on_every_rank(tmp_path):
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.count("error: --device cuda, but ranks [0, 1] of 2 see no GPU") == 1
     assert "Traceback" not in result.stderr and "MPI_ABORT" not in result.stderr
+
+
+def test_bad_options_and_unusable_folders_are_usage_errors_before_any_work(tmp_path):
+    """Each case ends with status 2 on every rank and one error line, printed once, with no
+    traceback or abort, and creates nothing. Three jobs run at a time. (Every invalid setting
+    takes the path of --lr nan: test_train.py's test_settings_are_checked has their messages.)"""
+    a_file, read_only = tmp_path / "a-file", tmp_path / "read-only"
+    a_file.write_text("not a folder\n")
+    read_only.mkdir()
+    run_dir = ["--run-dir", str(tmp_path / "run")]
+    cases = {
+        "--lr must be a positive number, got nan": train_command(2, "--lr", "nan", *run_dir),
+        "--context 99000000 is longer than the validation text allows": train_command(
+            1, "--context", "99000000", *run_dir),
+        f"--run-dir {read_only}/run: {read_only} is on a read-only file system":
+            on_read_only_mount(read_only, train_command(1, "--run-dir", f"{read_only}/run")),
+        f"--run-dir {a_file}/run: {a_file} is a file, not a folder": train_command(
+            1, "--run-dir", f"{a_file}/run"),
+        f"--checkpoint-dir {a_file} is a file, not a folder": train_command(
+            1, "--checkpoint-dir", str(a_file), *run_dir),
+    }
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        results = dict(zip(cases, pool.map(lambda command: run(command, cwd=tmp_path),
+                                           cases.values())))
+    for expected, result in results.items():
+        assert result.returncode == 2, (expected, result.stdout + result.stderr)
+        assert result.stderr.count("tensorplay-hpc train: error: ") == 1, (expected, result.stderr)
+        assert f"tensorplay-hpc train: error: {expected}" in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr and "MPI_ABORT" not in result.stderr, expected
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["a-file", "read-only"]
+    assert list(read_only.iterdir()) == []
 
 
 def test_progress_lines_without_a_bar(capsys):

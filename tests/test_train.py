@@ -3,6 +3,7 @@ uninterrupted run exactly; in process at every world size, and as a program unde
 import csv
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -21,7 +22,8 @@ from tensorplay_hpc.train.data import VOCAB_SIZE
 from tensorplay_hpc.train.history import History
 from tensorplay_hpc.train.model import CharTransformer
 from tensorplay_hpc.train.loop import EXIT_PREEMPTED, _threads_per_rank, train
-from tensorplay_hpc.train.run_folder import RunFolderInUse
+from tensorplay_hpc.train.config import UsageError
+from tensorplay_hpc.train.run_folder import CheckpointsDoNotFit, RunFolderInUse
 from tensorplay_hpc.train.preemption import Preemption
 from launch import ONLY_UNDER_ONE_RANK, REPO, clean_env, single_rank
 from train_launch import losses, restarts, train_command
@@ -107,8 +109,18 @@ def test_settings_are_checked():
         TrainConfig(comm_hook="int8")
     with pytest.raises(ValueError, match="--width must be at least 1"):
         TrainConfig(width=0)
-    with pytest.raises(ValueError, match="the checkpoint has --width 64, this run --width 128"):
-        TrainConfig().check_resumable({"layers": 2, "width": 64, "heads": 4, "context": 64})
+    with pytest.raises(ValueError, match="--width 32 is not a multiple of --heads 3"):
+        TrainConfig(width=32, heads=3)
+    for lr in (-0.1, 0.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=f"--lr must be a positive number, got {lr}"):
+            TrainConfig(lr=lr)
+    with pytest.raises(ValueError, match="--collective-timeout must be a number of seconds, "
+                                         "got nan"):
+        TrainConfig(collective_timeout=float("nan"))
+    assert TrainConfig(width=64).unfit_for({"width": 32, "heads": 4, "inner": "sgd", "lr": 1}) == [
+        "--width 64 but the checkpoints were written with --width 32",
+        "--inner adamw but the checkpoints were written with --inner sgd"]
+    assert TrainConfig().unfit_for({"optimizer": "ddp", "steps": 5}) == []
     with pytest.raises(ValueError, match="--batch-size 6 is not a multiple of the 4 ranks"):
         TrainConfig(batch_size=6).check_ranks(4)
     TrainConfig(batch_size=8).check_ranks(4)
@@ -189,6 +201,38 @@ def test_a_new_run_refuses_a_folder_with_an_earlier_run_and_resume_names_changed
         assert "--resume: --steps was 2 when the checkpoint was saved, now 3" in said
         assert "--threads" not in said and "--resume: --resume" not in said
     assert json.loads((shared_dir / "settings.json").read_text())["started_at_step"] == 2
+
+
+def files_in(folder: Path) -> dict:
+    """Every file under ``folder``: its contents and modification time."""
+    return {path: (path.read_bytes(), path.stat().st_mtime_ns)
+            for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+def test_resume_without_a_checkpoint_it_can_continue_is_refused_and_writes_nothing(shared_dir):
+    train_here(tiny(shared_dir, steps=2))
+    before = files_in(shared_dir)
+    for change, reason in ((dict(width=48), "--width 48 but the checkpoints were written with "
+                            "--width 32"),
+                           (dict(inner="sgd", heads=4), "--heads 4 but the checkpoints were "
+                            "written with --heads 2; --inner sgd but the checkpoints were "
+                            "written with --inner adamw")):
+        with pytest.raises(CheckpointsDoNotFit, match=re.escape(
+                f"--resume: {reason}: no checkpoint in {shared_dir}/checkpoints fits this run, "
+                "and nothing was written")):
+            train(tiny(shared_dir, steps=4, resume=True, **change))
+    assert files_in(shared_dir) == before
+
+    other = shared_dir / "other"   # a checkpoint without the run's settings, of another model
+    checkpoint.save(str(other / "checkpoints" / "step-0000001.h5"), model=torch.nn.Linear(2, 2),
+                    extra={"step": 1}, process_group=WORLD)
+    before = files_in(other)
+    with pytest.raises(UsageError, match=re.escape(
+            f"--resume: none of the 1 checkpoints in {other}/checkpoints loads (see above), and "
+            "nothing was written")):
+        train(tiny(other, steps=2, resume=True))
+    WORLD.Barrier()
+    assert files_in(other) == before
 
 
 def test_threads_follow_slurm_cpus_per_task(monkeypatch):
@@ -285,6 +329,26 @@ def test_program_on_two_nodes_resumes_exactly(tmp_path, simulated_nodes, optimiz
     assert f"at step {stopped_at}" in resumed.stdout
     assert losses(run_dir) == expected
     assert restarts(run_dir) == [stopped_at + 1]
+
+
+@pytest.mark.skipif(not single_rank(), reason=ONLY_UNDER_ONE_RANK)
+def test_program_refuses_to_resume_with_another_width_and_leaves_the_run_as_it_was(tmp_path):
+    run_dir = tmp_path / "run"
+    train_here(tiny(run_dir, steps=4, checkpoint_every=2))
+    before = files_in(run_dir)
+    assert [path.name for path in before if path.suffix == ".h5"] == [
+        "step-0000002.h5", "step-0000004.h5"]
+    result = subprocess.run(train_command(2, "--steps", "6", "--width", "48", "--run-dir",
+                                          str(run_dir), "--resume"),
+                            cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.count("tensorplay-hpc train: error: ") == 1, result.stderr
+    assert (f"tensorplay-hpc train: error: --resume: --width 48 but the checkpoints were written "
+            f"with --width 32: no checkpoint in {run_dir}/checkpoints fits this run, and nothing "
+            "was written" in result.stderr)
+    assert "Traceback" not in result.stderr and "MPI_ABORT" not in result.stderr
+    assert files_in(run_dir) == before
 
 
 @pytest.mark.skipif(not single_rank(), reason=ONLY_UNDER_ONE_RANK)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import csv
+import os
 from pathlib import Path
 from typing import List, Optional
 
@@ -18,6 +19,15 @@ def train_command(ranks: int, *options: str, nodes: Optional[SimulatedNodes] = N
     the simulated ``nodes`` (run from a folder they all see, such as ``tmp_path``)."""
     return [*mpiexec_prefix(nodes), "-n", str(ranks), "python", "-m", "tensorplay_hpc", "train",
             *TINY, *options]
+
+
+def on_read_only_mount(folder: Path, command: List[str]) -> List[str]:
+    """``command`` run in a mount namespace of its own in which ``folder`` is a read-only file
+    system (a read-only bind mount of itself): read-only for root too, unlike ``chmod``. Root
+    may mount; another user is mapped to root in a user namespace."""
+    unshare = ["unshare", "--mount", *([] if os.geteuid() == 0 else ["--map-root-user"])]
+    return [*unshare, "sh", "-c", 'mount --bind -o ro "$0" "$0" && exec "$@"', str(folder),
+            *command]
 
 
 def losses(run_dir: Path) -> List[str]:

@@ -9,6 +9,8 @@ from .config import COMM_HOOKS, DEVICES, INNER_OPTIMIZERS, OPTIMIZERS, TrainConf
 from .extras import require_train_extras
 from .preemption import EXIT_PREEMPTED, Preemption
 
+__all__ = ["DESCRIPTION", "add_arguments", "config_from", "run"]
+
 DESCRIPTION = f"""\
 Train a small character-level transformer on the source of Python's standard library, data
 parallel over MPI: launch one process per rank with mpiexec or srun. SIGTERM or SIGUSR1 make
@@ -56,8 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     option(files, "--checkpoint-every", "steps between checkpoints, 0 for only at the end and "
            "on a signal", type=int)
     option(files, "--keep", "checkpoints kept, 0 for all", type=int)
-    option(files, "--resume", "continue from the newest good checkpoint (start afresh if none)",
-           action="store_true")
+    option(files, "--resume", "continue from the newest good checkpoint written with the same "
+           "model shape and --inner (start afresh if there is no checkpoint; refuse if none "
+           "fits)", action="store_true")
     option(files, "--eval-every", "steps between validation losses, 0 for only at the end",
            type=int)
     option(files, "--eval-batches", "validation batches each time", type=int)

@@ -1,17 +1,21 @@
 """The settings of a training run, with the defaults of ``tensorplay-hpc train``."""
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
+
+__all__ = ["COMM_HOOKS", "DEVICES", "INNER_OPTIMIZERS", "OPTIMIZERS", "TrainConfig", "UsageError"]
 
 OPTIMIZERS = ("zero", "postlocal", "ddp", "local")
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd", "hierarchical")
 INNER_OPTIMIZERS = ("sgd", "adam", "adamw")
 DEVICES = ("cpu", "cuda")
 
-# Settings that must match between a checkpoint and the run resuming from it.
-_MODEL_SHAPE = ("layers", "width", "heads", "context")
+# Settings that shape the model and the optimizer's state: a run resumes only from a checkpoint
+# written with the same values.
+_STATE_SHAPE = ("layers", "width", "heads", "context", "inner")
 # Settings that change only what is printed or how fast: a resume may change them silently.
 _PRESENTATION = ("resume", "progress", "log_every", "threads", "collective_timeout", "trace")
 
@@ -77,6 +81,13 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must not be negative, "
                                  f"got {getattr(self, name)}")
+        if not math.isfinite(self.collective_timeout):
+            raise ValueError(f"--collective-timeout must be a number of seconds, got "
+                             f"{self.collective_timeout}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"--lr must be a positive number, got {self.lr}")
+        if self.width % self.heads:
+            raise ValueError(f"--width {self.width} is not a multiple of --heads {self.heads}")
 
     def check_ranks(self, ranks: int) -> None:
         """Raise ``ValueError`` when the global batch does not split evenly over ``ranks``."""
@@ -89,13 +100,14 @@ class TrainConfig:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()
                 if v is not None}
 
-    def check_resumable(self, saved: Dict[str, Any]) -> None:
-        """Raise ``ValueError`` when a checkpoint's model shape differs from this run's."""
-        for name in _MODEL_SHAPE:
-            if saved.get(name) != getattr(self, name):
-                raise ValueError(f"the checkpoint has --{name} {saved.get(name)}, this run "
-                                 f"--{name} {getattr(self, name)}: resume with the same model "
-                                 "shape")
+    def unfit_for(self, saved: Dict[str, Any]) -> List[str]:
+        """Why a checkpoint written with the settings ``saved`` cannot be continued by this run:
+        one entry per setting that shapes the model or the optimizer state and differs, e.g.
+        ``--width 48 but the checkpoints were written with --width 32``. Settings missing from
+        ``saved`` are not compared."""
+        return [f"--{name} {getattr(self, name)} but the checkpoints were written with "
+                f"--{name} {saved[name]}"
+                for name in _STATE_SHAPE if name in saved and saved[name] != getattr(self, name)]
 
     def changes_from(self, saved: Dict[str, Any]) -> List[str]:
         """How this run's settings differ from a checkpoint's (other than in presentation),

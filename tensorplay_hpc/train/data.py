@@ -14,6 +14,11 @@ from typing import List, Tuple
 
 import torch
 
+from .config import UsageError
+
+__all__ = ["Batch", "Corpus", "VALIDATION_EVERY", "VOCAB_SIZE", "batch_for_rank", "check_context",
+           "split_files", "stdlib_files", "validation_batches"]
+
 VOCAB_SIZE = 256
 """Tokens are bytes: a character-level model over UTF-8 source text."""
 
@@ -44,13 +49,31 @@ class Corpus:
     @classmethod
     def from_stdlib(cls, root: Path | None = None) -> "Corpus":
         """Read and split the standard library's sources (deterministic)."""
-        files = stdlib_files(root)
-        parts: Tuple[List[bytes], List[bytes]] = ([], [])
-        for index, path in enumerate(files):
-            parts[index % VALIDATION_EVERY == VALIDATION_EVERY - 1].append(path.read_bytes())
-        train, validation = (torch.frombuffer(bytearray(b"".join(p)), dtype=torch.uint8)
-                             for p in parts)
-        return cls(train=train, validation=validation, files=len(files))
+        parts = split_files(stdlib_files(root))
+        train, validation = (torch.frombuffer(bytearray(b"".join(p.read_bytes() for p in part)),
+                                              dtype=torch.uint8) for part in parts)
+        return cls(train=train, validation=validation, files=sum(map(len, parts)))
+
+
+def split_files(files: List[Path]) -> Tuple[List[Path], List[Path]]:
+    """``(train, validation)``: every :data:`VALIDATION_EVERY`-th file is validation text."""
+    parts: Tuple[List[Path], List[Path]] = ([], [])
+    for index, path in enumerate(files):
+        parts[index % VALIDATION_EVERY == VALIDATION_EVERY - 1].append(path)
+    return parts
+
+
+def check_context(context: int, root: Path | None = None) -> None:
+    """Raise :class:`UsageError` when the train or the validation text is too short for
+    :func:`batch_for_rank` to draw windows of ``context + 1`` bytes from it. Reads only the
+    files' sizes. Not collective."""
+    sizes = [sum(path.stat().st_size for path in part)
+             for part in split_files(stdlib_files(root))]
+    name, shortest = min(zip(("train", "validation"), sizes), key=lambda item: item[1])
+    if context > shortest - 2:
+        raise UsageError(f"--context {context} is longer than the {name} text allows: it holds "
+                         f"{shortest:,} bytes of Python's standard library, so --context can be "
+                         f"at most {shortest - 2:,}")
 
 
 Batch = Tuple[torch.Tensor, torch.Tensor]

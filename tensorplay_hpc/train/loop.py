@@ -13,7 +13,7 @@ from tensorplay_hpc import checkpoint, comm
 from tensorplay_hpc.comm import trace
 from tensorplay_hpc.comm.communicators import split_by_node
 from tensorplay_hpc.comm.mpi import MPI
-from tensorplay_hpc.comm.small_collectives import all_gather_object, broadcast_object
+from tensorplay_hpc.comm.small_collectives import all_gather_object
 
 from . import strategy as strategies
 from .config import TrainConfig, UsageError
@@ -22,9 +22,12 @@ from .history import History
 from .model import CharTransformer, next_token_loss
 from .plot import plot_losses
 from .preemption import EXIT_PREEMPTED, Preemption
+from .preflight import check_launch
 from .progress import Progress
-from .run_folder import METRICS_FILE, PLOT_FILE, check_unused, write_settings
+from .run_folder import METRICS_FILE, PLOT_FILE, write_settings
 from .timeline import TIMELINE_FILE, plot_timeline
+
+__all__ = ["Outcome", "Run", "train"]
 
 
 @dataclass
@@ -67,19 +70,6 @@ def _device(config: TrainConfig, world: MPI.Intracomm) -> torch.device:
     return device
 
 
-def _check_run_folder(config: TrainConfig, world: MPI.Intracomm) -> None:
-    """:func:`check_unused` on rank 0, raised on every rank. Collective."""
-    problem = None
-    if world.Get_rank() == 0:
-        try:
-            check_unused(config)
-        except UsageError as error:
-            problem = error
-    problem = broadcast_object(problem, world)
-    if problem is not None:
-        raise problem
-
-
 class Run(comm.Closeable):
     """One training run on every rank of ``world``: build, maybe resume, train, report.
 
@@ -89,7 +79,7 @@ class Run(comm.Closeable):
 
     def __init__(self, config: TrainConfig, world: Optional[MPI.Intracomm] = None) -> None:
         world = MPI.COMM_WORLD if world is None else world
-        _check_run_folder(config, world)
+        self._resumable = check_launch(config, world)
         if config.trace is not None:
             trace.enable(config.trace)
         self.config = config
@@ -141,12 +131,10 @@ class Run(comm.Closeable):
                   f"{config.steps} steps of {config.batch_size} x {config.context} bytes")
 
     def _load_newest(self) -> Optional[Tuple[str, Dict[str, Any]]]:
-        """``(path, extras)`` of the newest checkpoint that loads (the ranks verify its checksums
-        together), passing over damaged ones; ``None`` if there is none. Collective."""
-        directory = str(self.config.checkpoint_dir)
-        paths = broadcast_object(checkpoint.checkpoints(directory) if self.group.rank == 0
-                                 else None, self.group.comm)
-        for path in reversed(paths):
+        """``(path, extras)`` of the newest checkpoint that fits the run and loads (the ranks
+        verify its checksums together), passing over damaged ones; ``None`` if none loads.
+        Collective."""
+        for path in reversed(self._resumable):
             try:
                 with trace.caller("checkpoint load"):
                     return path, checkpoint.load(path, model=self.strategy.module,
@@ -158,13 +146,19 @@ class Run(comm.Closeable):
         return None
 
     def _resume(self) -> None:
+        """Continue from the newest checkpoint that loads; start at step 0 if the folder has
+        none. :class:`UsageError` on every rank, before anything is written, when it has some
+        and none loads. Collective."""
+        directory = self.config.checkpoint_dir
+        if not self._resumable:
+            self._say(f"--resume: no checkpoint in {directory}, starting at step 0")
+            return
         found = self._load_newest()
         if found is None:
-            self._say(f"--resume: no checkpoint in {self.config.checkpoint_dir}, "
-                      "starting at step 0")
-            return
+            raise UsageError(f"--resume: none of the {len(self._resumable)} checkpoints in "
+                             f"{directory} loads (see above), and nothing was written; move "
+                             "them away to start afresh, or choose another --run-dir")
         path, extra = found
-        self.config.check_resumable(extra["config"])
         for change in self.config.changes_from(extra["config"]):
             self._say(f"--resume: {change}")
         self.history = History.from_extra(extra["history"])
