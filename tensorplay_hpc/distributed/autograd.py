@@ -95,16 +95,38 @@ def record(ref: "RemoteRef", value: torch.Tensor) -> torch.Tensor:
 register_fetch_hook(record)
 
 
+def _check_roots(roots: List[torch.Tensor]) -> None:
+    """Refuse roots that autograd cannot start from, as PyTorch's distributed autograd does."""
+    for position, root in enumerate(roots):
+        if not root.requires_grad:
+            problem = "requires_grad not set on root"
+        elif root.numel() != 1:
+            problem = (f"root of shape {tuple(root.shape)} is not a scalar, all roots need to "
+                       "be scalar")
+        elif root.grad_fn is None:
+            problem = "root does not have a valid gradient function (it is a leaf)"
+        else:
+            continue
+        raise RuntimeError(f"distributed autograd backward: {problem} (root {position} of "
+                           f"{len(roots)}, world rank {MPI.COMM_WORLD.Get_rank()})")
+
+
 def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool = False) -> None:
     """Backpropagate from scalar ``roots`` and accumulate the gradients of the references
     fetched in the context into their owners' memory. Not collective: owners take no part.
 
     Local tensors' ``.grad`` are left untouched, as in PyTorch's distributed autograd.
+
+    Raises:
+        ValueError: ``context_id`` is not an open context of this rank.
+        RuntimeError: a root does not require grad, is not a scalar or is a leaf (PyTorch's
+            checks and wording).
     """
     ctx = retrieve_context(context_id)
+    roots = list(roots)
+    _check_roots(roots)
     if not ctx.leaves:
         return
-    roots = list(roots)
     grads = torch.autograd.grad(roots, [leaf for _, leaf in ctx.leaves], retain_graph=retain_graph,
                                 allow_unused=True)
     summed: Dict["RemoteRef", torch.Tensor] = {}

@@ -57,7 +57,10 @@ class DistributedDataParallel(torch.nn.Module, Joinable, comm.Closeable):
     At construction, parameters and buffers are broadcast from rank 0 (one flat buffer per
     dtype). In each backward pass the gradients are averaged across the group, bucket by bucket,
     while the rest of the backward pass runs; they are in place when ``backward()`` returns.
-    Collective: construct it, run forward and backward on every rank of the group.
+    Collective: construct it, run forward and backward on every rank of the group. As in
+    PyTorch, only a backward pass from the output of this module's own forward pass is
+    averaged: one through ``ddp.module(...)`` (or a second one through the same graph) keeps
+    its gradients local, on the ranks that run it.
 
     The arguments are PyTorch's, with its names, order and defaults:
 
@@ -127,6 +130,11 @@ class DistributedDataParallel(torch.nn.Module, Joinable, comm.Closeable):
         except (TypeError, ValueError, RuntimeError, NotImplementedError) as failure:
             error = failure
         self._group = comm.ProcessGroup(self.process_group, owner="DistributedDataParallel")
+        if self._every_rank_failed(error is not None):
+            # Each rank raises its own error, as PyTorch's DDP does: an argument such as
+            # device_ids=[rank] is meant to differ by rank, and so do the messages.
+            self._group.close()
+            raise error
         outcome = "ok" if error is None else f"{type(error).__name__}: {error}"
         comm.check_consistent(self._group.comm, "DistributedDataParallel: the arguments", [
             ("outcome", outcome),
@@ -230,6 +238,12 @@ class DistributedDataParallel(torch.nn.Module, Joinable, comm.Closeable):
         if training:
             self.reducer.prepare(sync, output, divisor)
         return output
+
+    def _every_rank_failed(self, failed: bool) -> bool:
+        """Whether ``failed`` holds on every rank. Collective: one allreduce of one number."""
+        flag = torch.tensor([1 if failed else 0], dtype=torch.int64)
+        comm.all_reduce(flag, self._group.comm, comm.ReduceOp.MIN)
+        return bool(flag.item())
 
     def _count_syncing(self, sync: bool) -> int:
         """How many ranks synchronize gradients in this iteration (ranks that have joined

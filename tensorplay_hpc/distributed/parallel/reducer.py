@@ -142,7 +142,6 @@ class Reducer:
                 self._slot[index] = (b, position)
         self._hook: Optional[Hook] = None
         self._hook_state: Any = None
-        self.sync = True
         self.divisor: Optional[int] = None   # None: the group size
         self._shadow_buckets: Optional[List[GradBucket]] = None
         self._shadow_gradients: Optional[List[List[torch.Tensor]]] = None
@@ -166,6 +165,10 @@ class Reducer:
         self._release()
 
     def _reset(self) -> None:
+        # Gradients are reduced only in a backward pass that follows a synchronizing forward
+        # pass through DDP (prepare() sets it): a backward pass through the bare module, or a
+        # second one through the same graph, keeps its gradients local, as in PyTorch.
+        self.sync = False
         self._ready = [False] * len(self.params)
         self._late: List[int] = []   # parameters whose gradient came when already ready
         self._pending = [len(bucket.parameters()) for bucket in self.buckets]
