@@ -81,9 +81,11 @@ class _BucketStep:
 
 class _OwnersStep(_BucketStep):
     """ZeRO-2: a bucket's gradients reduced only to the ranks owning its parameters (a
-    blocking reduce per shard, to its owner, on DDP's communication thread: Open MPI's
-    nonblocking reduce advances only inside MPI calls), then the owners' step and the
-    broadcasts. DDP keeps no gradients of the bucket (:attr:`consumes_gradients`).
+    blocking reduce per shard, to its owner, on DDP's communication thread, so the backward
+    pass goes on meanwhile: Open MPI's nonblocking reduce advances only inside MPI calls; below
+    ``MPI_THREAD_MULTIPLE`` DDP has no such thread and the reduces block in the hook), then the
+    owners' step and the nonblocking broadcasts. DDP keeps no gradients of the bucket
+    (:attr:`consumes_gradients`).
 
     The reduces run on the duplicate cached on the process group, the broadcasts on ZeRO's
     own: a rank may start bucket ``b``'s broadcasts before or after bucket ``b + 1``'s reduces,

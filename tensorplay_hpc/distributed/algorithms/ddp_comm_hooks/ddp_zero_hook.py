@@ -58,10 +58,12 @@ def hook_with_zero_step_interleaved(hook: Hook, ddp: Any, zero: Any,
 
 def hook_with_zero2_step(ddp: Any, zero: Any, shard_buckets: bool = True) -> Hook:
     """ZeRO-2 (not in PyTorch): the gradients are sharded as well as the optimizer state. Each
-    bucket's gradients are reduced only to the ranks owning its parameters (a nonblocking
-    reduce per owner's part, while the backward pass goes on); each owner steps its part as
-    soon as it has arrived and sends the parameters to every rank. No reduction hook is
-    wrapped: the hook is the reduction.
+    bucket's gradients are reduced only to the ranks owning its parameters (a blocking reduce
+    per owner's part, run on DDP's communication thread while the backward pass goes on; in
+    the hook itself, holding up the backward pass, where MPI is below
+    ``MPI_THREAD_MULTIPLE``); each owner steps its part as soon as it has arrived and sends the
+    parameters to every rank (nonblocking broadcasts). No reduction hook is wrapped: the hook
+    is the reduction.
 
     After ``backward()`` returns the parameters are updated everywhere and their ``.grad`` is
     ``None`` (the step consumed the gradients), and DDP has freed its bucket buffers, so no
