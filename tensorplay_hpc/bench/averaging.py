@@ -26,6 +26,8 @@ from tensorplay_hpc.comm.private import private_comm
 from tensorplay_hpc.distributed.algorithms.model_averaging import averagers, utils
 from tensorplay_hpc.distributed.algorithms.model_averaging.utils import average_parameters
 
+__all__ = ["DIGEST_BYTES", "run"]
+
 DIGEST_BYTES = 40
 
 

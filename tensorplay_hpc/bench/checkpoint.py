@@ -34,6 +34,8 @@ from tensorplay_hpc.bench.report import Report
 from tensorplay_hpc.bench.timing import compare
 from tensorplay_hpc.distributed.optim import ZeroRedundancyOptimizer
 
+__all__ = ["REPEAT", "run"]
+
 REPEAT = 3   # PyTorch's consolidation takes seconds
 TINY_REPEAT, TINY_WARMUP = 1, 0   # PyTorch's takes half a minute for the tiny parameters
 

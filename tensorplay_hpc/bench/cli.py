@@ -10,6 +10,8 @@ from typing import List
 
 import tensorplay_hpc.bench as package
 
+__all__ = ["DESCRIPTION", "add_arguments", "available", "run"]
+
 DESCRIPTION = """\
 Run benchmarks on every rank of the launch (mpiexec -n N tensorplay-hpc bench NAME...). Each
 comparison is printed as one JSON object per line as it is measured (ours against PyTorch over

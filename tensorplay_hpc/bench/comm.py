@@ -13,6 +13,8 @@ from tensorplay_hpc.bench.report import Report
 from tensorplay_hpc.bench.timing import compare
 from tensorplay_hpc.comm.mpi import MPI
 
+__all__ = ["SIZES", "SMALL_TENSORS", "bus_factor", "run"]
+
 SIZES = (2**20, 2**24, 2**27)   # 1 MiB, 16 MiB, 128 MiB
 SMALL_TENSORS = 1000
 

@@ -29,6 +29,8 @@ from tensorplay_hpc.comm.mpi import MPI
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from tensorplay_hpc.distributed.parallel import DistributedDataParallel
 
+__all__ = ["BATCH", "run"]
+
 BATCH = 32
 
 

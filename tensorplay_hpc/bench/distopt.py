@@ -30,6 +30,10 @@ from tensorplay_hpc.comm.mpi import MPI
 from tensorplay_hpc.distributed import autograd, rma
 from tensorplay_hpc.distributed.optim import DistributedOptimizer
 
+__all__ = ["BATCHES", "RawWindow", "WARMUP", "WORLD", "alternating_medians", "bandwidths",
+           "forward", "initial_parameter", "iterations", "local_iteration", "on_trainer",
+           "our_iteration", "remote_parameter", "rpc_iteration", "run", "start_rpc"]
+
 PARAMETERS, WIDTH, LR = 8, 1024, 1e-3
 BATCHES = (1, 16)
 WARMUP = 2

@@ -9,6 +9,8 @@ import torch.distributed as dist
 
 from tensorplay_hpc.comm.mpi import MPI
 
+__all__ = ["init_gloo", "rendezvous", "set_rendezvous"]
+
 
 def _reachable_address() -> str:
     """An address of this host that other nodes can dial: ``MASTER_ADDR`` when set, else the

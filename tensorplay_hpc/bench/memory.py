@@ -40,6 +40,8 @@ from tensorplay_hpc.distributed.parallel import DistributedDataParallel
 from tensorplay_hpc.train.data import VOCAB_SIZE
 from tensorplay_hpc.train.model import CharTransformer, next_token_loss
 
+__all__ = ["ADAM", "CASES", "KINDS", "Setup", "run", "storage_bytes"]
+
 ADAM = {"lr": 1e-3}
 KINDS = ("parameters", "optimizer state", "gradients", "buffers")
 _SKIPPED = (type, types.ModuleType, MPI.Comm, MPI.Win, str, bytes, int, float)

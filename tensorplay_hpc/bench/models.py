@@ -1,6 +1,8 @@
 """The benchmark models."""
 import torch
 
+__all__ = ["TINY_COUNT", "mlp", "tiny_parameters"]
+
 
 def mlp(layers: int = 16, width: int = 1024, seed: int = 0) -> torch.nn.Sequential:
     """``layers`` x Linear(width, width) with ReLU between: 16.8M parameters by default."""

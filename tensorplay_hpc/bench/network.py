@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+__all__ = ["NET_DEV", "bytes_sent"]
+
 NET_DEV = Path("/proc/net/dev")   # the counters of this process's network namespace
 
 

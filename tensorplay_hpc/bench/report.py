@@ -8,6 +8,8 @@ from typing import List, Optional
 from tensorplay_hpc.comm import library
 from tensorplay_hpc.comm.mpi import MPI
 
+__all__ = ["Report"]
+
 
 class Report:
     """Collects comparisons. Only world rank 0 prints."""

@@ -8,6 +8,8 @@ from typing import Callable, List, Optional, Sequence
 
 from tensorplay_hpc.comm.mpi import MPI
 
+__all__ = ["MIN_SAMPLE_S", "compare", "median_seconds"]
+
 MIN_SAMPLE_S = 0.02   # calls shorter than this are timed in batches, so barrier skew washes out
 
 

@@ -19,6 +19,8 @@ from tensorplay_hpc.bench.report import Report
 from tensorplay_hpc.bench.timing import compare
 from tensorplay_hpc.distributed.optim import ZeroRedundancyOptimizer
 
+__all__ = ["ADAM_KERNELS", "CONSOLIDATE_REPEAT", "run"]
+
 # Adam's multi-tensor (foreach) and fused CPU kernels, the same for every contender: the first
 # makes the step compute-bound, the second leaves mostly the parameter sync.
 ADAM_KERNELS = ("foreach", "fused")

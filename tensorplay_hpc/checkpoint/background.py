@@ -26,6 +26,8 @@ from . import collector, snapshot, writer
 from .host_copy import HostBuffers
 from .optimizers import Checkpointable
 
+__all__ = ["AsyncCheckpointer", "NICENESS", "SaveHandle", "join_writers"]
+
 
 _writing: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
 

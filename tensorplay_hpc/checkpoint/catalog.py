@@ -29,6 +29,9 @@ import numpy as np
 
 from . import format as fmt
 
+__all__ = ["CATALOG", "COLUMNS", "Catalog", "Entry", "PACK_BYTES", "Row", "SHAPES",
+           "packed_dataset", "stored_dtype"]
+
 PACK_BYTES = 1 << 16
 CATALOG = "catalog"
 COLUMNS = "catalog_columns"

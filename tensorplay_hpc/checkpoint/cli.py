@@ -21,6 +21,9 @@ from .files import checkpoints, latest
 from .optimizers import class_name
 from .reader import Reader
 
+__all__ = ["DESCRIPTION", "InputError", "add_arguments", "export", "import_", "info", "listing",
+           "resolve_optimizer_class", "run", "split_layout", "summary"]
+
 DESCRIPTION = """\
 Inspect, list and convert checkpoints. Not collective: run it as a plain command (under a
 launcher only the first rank acts). Exit status 1 for a checkpoint that cannot be read (missing,

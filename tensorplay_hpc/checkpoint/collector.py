@@ -9,6 +9,8 @@ import gc
 from contextlib import contextmanager
 from typing import Iterator
 
+__all__ = ["paused"]
+
 
 @contextmanager
 def paused() -> Iterator[None]:

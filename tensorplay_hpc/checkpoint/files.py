@@ -22,6 +22,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from . import format as fmt
 from .reader import Reader
 
+__all__ = ["Order", "TEMP_MARK", "check_space", "check_visible", "checkpoints", "commit",
+           "create_empty", "discard", "latest", "order", "prune", "run_of", "start_writeback",
+           "temporary_name"]
+
 TEMP_MARK = ".tmp-"
 
 Order = Tuple[float, int, int, str]

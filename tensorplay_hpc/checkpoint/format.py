@@ -38,6 +38,10 @@ try:   # the same CRC-32 as zlib's, with the processor's carry-less multiply: so
 except ImportError:
     from zlib import crc32
 
+__all__ = ["CHECKSUM_PIECE_BYTES", "CheckpointError", "FORMAT", "FORMAT_VERSION", "SUFFIX",
+           "checksum", "dtype_name", "extra_group", "from_numpy", "model_name", "numpy_dtype",
+           "replica_prefix", "state_name", "state_node", "to_numpy", "torch_dtype", "unwrap_model"]
+
 FORMAT = "tensorplay_hpc-checkpoint"
 FORMAT_VERSION = 4
 SUFFIX = ".h5"

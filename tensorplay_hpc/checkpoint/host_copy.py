@@ -8,6 +8,8 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
+__all__ = ["Datasets", "HostBuffers"]
+
 Datasets = List[Tuple[str, torch.Tensor]]
 
 

@@ -26,6 +26,10 @@ from .format import CheckpointError, dtype_name
 if TYPE_CHECKING:
     from tensorplay_hpc.distributed.optim import DistributedOptimizer
 
+__all__ = ["Checkpointable", "DistributedOptimizerAdapter", "OptimizerAdapter",
+           "PostLocalSGDAdapter", "ShardedAdapter", "ShardedOptimizer", "State", "ZeroAdapter",
+           "adapter_for", "assign_writers", "class_name", "parameter_name"]
+
 State = Dict[int, Dict[str, Any]]
 Checkpointable = Union[torch.optim.Optimizer, "DistributedOptimizer"]
 """What ``checkpoint.save`` and ``load`` take as ``optimizer``."""

@@ -15,6 +15,8 @@ from . import format as fmt
 from . import values
 from .catalog import CRC, DTYPE, NUMEL, OFFSET, Catalog, packed_dataset, stored_dtype
 
+__all__ = ["Reader"]
+
 _MIN_GAP = 1 << 12
 _SPAN_ELEMENTS = 1 << 22
 _VERIFY_BATCH = 1 << 14

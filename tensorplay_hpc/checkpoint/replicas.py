@@ -12,6 +12,8 @@ from tensorplay_hpc.comm.small_collectives import all_gather_object
 
 from .format import replica_prefix
 
+__all__ = ["Replicas"]
+
 
 class Replicas:
     """The replica layout of ``comm``. Collective over ``comm`` (and ``replica_group``).

@@ -23,6 +23,9 @@ from .reader import Reader
 from .replicas import Replicas
 from .shared_reads import read_shared
 
+__all__ = ["Plan", "check_model", "combine", "load_into", "prefixes", "saved_replicas",
+           "state_prefix"]
+
 
 def saved_replicas(reader: Reader) -> List[List[int]]:
     """The replica groups at save time (one group of every rank in version 1 files)."""

@@ -16,6 +16,8 @@ from . import format as fmt
 from .optimizers import assign_writers
 from .reader import Reader
 
+__all__ = ["read_shared"]
+
 
 def _views(buffer: np.ndarray, layout: Sequence[tuple]) -> List[np.ndarray]:
     """The arrays of ``layout`` ((shape, dtype) pairs) laid end to end in the byte ``buffer``."""

@@ -17,6 +17,9 @@ from . import values
 from .optimizers import Checkpointable, adapter_for, assign_writers
 from .replicas import Replicas
 
+__all__ = ["Snapshot", "add_extra", "add_metadata", "add_model", "add_optimizer", "collect",
+           "take"]
+
 
 @dataclass
 class Snapshot:

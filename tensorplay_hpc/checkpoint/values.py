@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+__all__ = ["dumps", "loads"]
+
 
 def _encode(value: Any) -> Any:
     if isinstance(value, tuple):

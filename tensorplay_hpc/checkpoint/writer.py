@@ -39,6 +39,8 @@ from . import format as fmt
 from .catalog import COLUMNS, CRC, DTYPE, NUMEL, OFFSET, Catalog, packed_dataset, stored_dtype
 from .snapshot import Snapshot
 
+__all__ = ["Arrays", "Layout", "commit", "plan", "write", "write_data"]
+
 Arrays = List[Tuple[str, np.ndarray]]
 
 _COLUMNS_DTYPE = np.dtype("<i8")

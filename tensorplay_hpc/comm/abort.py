@@ -16,6 +16,8 @@ from typing import Callable, Optional, Type
 
 from .mpi import MPI
 
+__all__ = ["ExceptHook", "abort_on_exception", "abort_on_uncaught"]
+
 ExceptHook = Callable[[Type[BaseException], BaseException, Optional[TracebackType]], None]
 
 _installed = False

@@ -15,6 +15,9 @@ from typing import Iterator, Tuple
 
 from .environment import read_once
 
+__all__ = ["CHUNK_ENV", "MPI_COUNT_LIMIT", "PIECE_BYTES", "PIECE_ENV", "chunk_elements", "chunks",
+           "piece_elements"]
+
 MPI_COUNT_LIMIT = 2**31 - 1
 CHUNK_ENV = "TENSORPLAY_HPC_CHUNK_ELEMENTS"
 PIECE_ENV = "TENSORPLAY_HPC_PIECE_BYTES"

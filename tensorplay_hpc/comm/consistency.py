@@ -13,6 +13,9 @@ from .environment import read_once
 from .mpi import MPI
 from .small_collectives import all_gather_array, all_gather_object
 
+__all__ = ["DEBUG_ENV", "Item", "check_collective", "check_consistent", "debug_enabled",
+           "gather_digests", "tensor_signature"]
+
 DEBUG_ENV = "TENSORPLAY_HPC_DEBUG"
 
 Item = Tuple[str, Any]

@@ -13,6 +13,8 @@ from . import library
 from .communicators import split_by_node
 from .mpi import MPI
 
+__all__ = ["CUDA_AWARE_ENV", "cuda_awareness", "device_for_rank", "is_cuda_aware", "local_rank"]
+
 CUDA_AWARE_ENV = "TENSORPLAY_HPC_CUDA_AWARE"
 
 

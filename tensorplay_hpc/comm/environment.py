@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, List, TypeVar
 
+__all__ = ["read_once", "reload"]
+
 T = TypeVar("T")
 
 _cached: List[Any] = []

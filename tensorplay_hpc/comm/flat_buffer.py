@@ -10,6 +10,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+__all__ = ["FlatBuffer", "Key", "group_by_dtype_device", "pack_by_dtype_device"]
+
 Key = Tuple[torch.dtype, torch.device]
 
 

@@ -11,6 +11,8 @@ from . import lifetime, watchdog
 from .abort import abort_on_uncaught
 from .communicators import duplicate
 
+__all__ = ["ProcessGroup", "is_member", "resolve"]
+
 
 def _kind(process_group: object) -> str:
     """How an error names what was passed: ``an MPI.Intercomm``, ``str``..."""

@@ -16,6 +16,8 @@ from .staging import Staged
 from .watchdog import watched
 from .work import Work
 
+__all__ = ["receive", "send"]
+
 
 def _check_peer(what: str, comm: MPI.Intracomm, peer: int) -> None:
     if not 0 <= peer < comm.Get_size():

@@ -12,6 +12,8 @@ from typing import Optional
 from .group import ProcessGroup, resolve
 from .mpi import MPI
 
+__all__ = ["private_comm"]
+
 
 def _release(comm: MPI.Comm, keyval: int, group: ProcessGroup) -> None:
     # The user's communicator is being freed: drop our duplicate with it.

@@ -16,6 +16,8 @@ from . import cuda
 from .dtypes import NATIVE, move_datatype, reduce_dtype
 from .mpi import MPI
 
+__all__ = ["Staged", "direct_datatype", "host_tensor", "memory", "needs_host_copy"]
+
 
 def needs_host_copy(tensor: torch.Tensor) -> bool:
     """Whether MPI cannot read ``tensor``'s memory directly."""

@@ -26,6 +26,11 @@ from typing import Any, Deque, Dict, Iterator, List, Optional, Union
 
 from .mpi import MPI
 
+__all__ = ["MERGED_FILE", "Operation", "RECENT", "Record", "TRACE_ENV", "UNRECORDED",
+           "bytes_communicated", "caller", "chrome_events", "collective", "communicator_name",
+           "describe_recent", "directory", "disable", "enable", "keep_recent", "rank_file",
+           "recent", "rma", "span", "write"]
+
 TRACE_ENV = "TENSORPLAY_HPC_TRACE"
 RECENT = 16
 """How many of the latest operations each rank keeps for the watchdog's report."""

@@ -35,6 +35,9 @@ from . import capabilities, communicators, trace
 from .library import thread_level_name
 from .mpi import MPI
 
+__all__ = ["ANSWER_SECONDS", "ArrivalCounter", "POLL_SECONDS", "TIMEOUT_ENV", "enable", "forget",
+           "register", "serve_all", "timeout", "unregister", "watched", "world_ranks"]
+
 TIMEOUT_ENV = "TENSORPLAY_HPC_COLLECTIVE_TIMEOUT"
 POLL_SECONDS = 0.1
 """How often the thread checks the running collectives and answers queries."""

@@ -8,6 +8,8 @@ from .mpi import MPI
 from .trace import Record
 from .watchdog import watched
 
+__all__ = ["Work", "complete"]
+
 
 class Work:
     """A nonblocking operation in flight: MPI requests, then local work once they complete

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+__all__ = ["DESCRIPTION", "add_arguments", "run"]
+
 DESCRIPTION = """\
 Print the versions of the package, torch and mpi4py; the MPI library's family (Open MPI, MPICH,
 Intel MPI, Cray MPICH, MVAPICH), version and ABI; the MPI thread level, and below

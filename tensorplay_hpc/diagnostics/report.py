@@ -24,6 +24,8 @@ from tensorplay_hpc.comm.small_collectives import all_gather_object, all_reduce_
 
 from . import settings
 
+__all__ = ["as_text", "collect"]
+
 _FRAMEWORKS = ("pml", "btl", "mtl", "osc", "coll")
 _LAUNCHER_PREFIXES = ("SLURM_", "OMPI_COMM_WORLD_", "OMPI_UNIVERSE_SIZE", "PMIX_RANK", "PMI_",
                       "MPI4PY_", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "HYDRA_", "PRTE_")

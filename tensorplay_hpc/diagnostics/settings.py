@@ -14,6 +14,8 @@ from tensorplay_hpc.comm.trace import TRACE_ENV
 from tensorplay_hpc.comm.watchdog import TIMEOUT_ENV
 from tensorplay_hpc.distributed.optim.distributed_optimizer import DIRECT_ENV
 
+__all__ = ["SETTINGS", "Setting", "current", "unknown"]
+
 
 @dataclass(frozen=True)
 class Setting:

@@ -5,3 +5,5 @@ Importing this package also registers the ``mpi4py`` backend of torch.distribute
 (:mod:`.backend`), so that ``dist.init_process_group("mpi4py")`` runs PyTorch's own distributed
 stack on MPI."""
 from . import backend  # noqa: F401  (registers the backend; starts no MPI)
+
+__all__ = ["algorithms", "autograd", "backend", "optim", "parallel", "rma"]

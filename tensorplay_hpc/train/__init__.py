@@ -5,3 +5,5 @@ One concept per module: :mod:`.config` (settings), :mod:`.data` (the corpus and 
 :mod:`.preemption` (signals and the agreement to stop), :mod:`.history`, :mod:`.plot` and
 :mod:`.progress` (what a user sees), :mod:`.loop` (the run) and :mod:`.cli` (the options).
 """
+
+__all__: list = []

@@ -4,6 +4,8 @@ from __future__ import annotations
 import importlib.util
 from typing import List
 
+__all__ = ["INSTALL_HINT", "TRAIN_MODULES", "missing_train_modules", "require_train_extras"]
+
 TRAIN_MODULES = ("tqdm", "matplotlib")
 """The progress bar and the loss and timeline plots."""
 INSTALL_HINT = 'pip install "tensorplay-hpc[train]"'

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List
 
+__all__ = ["History"]
+
 
 @dataclass
 class History:

@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+__all__ = ["Block", "CausalSelfAttention", "CharTransformer", "next_token_loss"]
+
 
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention where each position sees only itself and earlier positions."""

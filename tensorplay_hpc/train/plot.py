@@ -5,6 +5,8 @@ from pathlib import Path
 
 from .history import History
 
+__all__ = ["plot_losses"]
+
 
 def plot_losses(history: History, path: Path, title: str) -> None:
     """Draw ``history`` to ``path`` with matplotlib's Agg backend (no display needed)."""

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Dict, Optional
 if TYPE_CHECKING:
     from tensorplay_hpc.comm.mpi import MPI
 
+__all__ = ["EXIT_PREEMPTED", "Preemption", "SIGNALS"]
+
 EXIT_PREEMPTED = 85
 """Exit status of a run that stopped on a signal after writing its checkpoint: resume it."""
 

@@ -10,6 +10,8 @@ from typing import Optional
 
 from tqdm import tqdm
 
+__all__ = ["Progress"]
+
 
 class Progress:
     """Step, loss, validation loss, tokens per second and ETA on rank 0; nothing elsewhere.

@@ -37,6 +37,8 @@ from tensorplay_hpc.distributed.parallel import DistributedDataParallel
 
 from .config import TrainConfig
 
+__all__ = ["INNER", "POWER_SGD_PREFIX", "Strategy", "build", "inner_defaults"]
+
 INNER: Dict[str, Type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 

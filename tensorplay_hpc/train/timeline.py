@@ -7,6 +7,9 @@ import json
 from pathlib import Path
 from typing import Dict, List, Tuple
 
+__all__ = ["COMMUNICATION", "COMPUTE_COLOURS", "STEPS", "Span", "TIMELINE_FILE", "plot_timeline",
+           "spans_by_rank"]
+
 TIMELINE_FILE = "timeline.png"
 STEPS = 3
 """How many steps (the last ones of the trace) the timeline shows."""

@@ -7,6 +7,8 @@ from typing import Collection, Dict, List, NamedTuple, Sequence, Tuple
 
 import torch
 
+__all__ = ["BucketShard", "assign", "sharded_buckets", "whole_buckets"]
+
 
 class BucketShard(NamedTuple):
     """Parameters ``start:stop`` (positions in the bucket) of bucket ``bucket``, owned by

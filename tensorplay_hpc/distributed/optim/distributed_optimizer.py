@@ -46,6 +46,8 @@ from tensorplay_hpc.distributed.rma.buffer_pool import empty
 from tensorplay_hpc.distributed.rma.layout import Layout, Spec
 from tensorplay_hpc.distributed.rma.transport import AnyWindow
 
+__all__ = ["DIRECT_ENV", "DistributedOptimizer", "Held", "ParamKey", "StateEntry", "learn_state"]
+
 DIRECT_ENV = "TENSORPLAY_HPC_RMA_DIRECT"
 """Set to ``0`` to make steps fetch and put back even where the windows are in shared memory."""
 _NUMBER_TYPES = (bool, int, float)

@@ -5,6 +5,8 @@ from typing import Any, Type
 
 from torch.optim import Optimizer
 
+__all__ = ["check_optimizer_class"]
+
 
 def check_optimizer_class(optimizer_class: Any, owner: str) -> Type[Optimizer]:
     """Return ``optimizer_class`` if it is a ``torch.optim.Optimizer`` subclass; otherwise raise

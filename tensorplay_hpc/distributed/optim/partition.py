@@ -11,6 +11,8 @@ from __future__ import annotations
 import heapq
 from typing import List, Sequence
 
+__all__ = ["Partition"]
+
 
 class Partition:
     """Which rank owns which parameter.

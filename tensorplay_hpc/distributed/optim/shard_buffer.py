@@ -12,6 +12,8 @@ from tensorplay_hpc import comm
 from tensorplay_hpc.comm.chunking import piece_elements
 from tensorplay_hpc.comm.mpi import MPI
 
+__all__ = ["AnyShards", "Segment", "ShardBuffer", "StagedShards"]
+
 Segment = Tuple[int, int, int]
 """``(k, start, stop)``: elements ``start:stop`` of a rank's ``k``-th parameter, flattened."""
 

@@ -18,6 +18,8 @@ from tensorplay_hpc import comm
 from tensorplay_hpc.comm.mpi import MPI
 from tensorplay_hpc.comm.small_collectives import all_gather_object, gather_object
 
+__all__ = ["State", "Stream", "gather_state"]
+
 State = Dict[int, Dict[Any, Any]]
 Stream = Tuple[torch.dtype, torch.device, bool]
 """``(dtype, device, 0-dimensional)``: state tensors that travel in one flat buffer."""

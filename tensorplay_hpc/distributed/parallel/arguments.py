@@ -9,6 +9,8 @@ from typing import Any, List, NamedTuple, Optional, Tuple
 import torch
 from torch._utils import _get_device_index
 
+__all__ = ["DEFAULT_BUCKET_CAP_MB", "Settings", "check_arguments"]
+
 DEFAULT_BUCKET_CAP_MB = 25
 
 

@@ -45,6 +45,8 @@ from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.grad_bucket import (
 
 from .comm_thread import CommThread, wait_for_all
 
+__all__ = ["FIRST_BUCKET_BYTES", "Hook", "Reducer", "assign_buckets", "reachable_parameters"]
+
 FIRST_BUCKET_BYTES = 1 << 20   # a small first bucket starts communication early, as in PyTorch
 
 Hook = Callable[[Any, "GradBucket"], Any]

@@ -17,6 +17,8 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+__all__ = ["CACHE_LIMIT_BYTES", "empty"]
+
 CACHE_LIMIT_BYTES = 1 << 30
 """Freed blocks beyond this many bytes in the pool are returned to the system."""
 

@@ -5,6 +5,8 @@ from typing import List, Sequence, Tuple
 
 import torch
 
+__all__ = ["ALIGNMENT", "Layout", "Spec", "aligned", "nbytes_of"]
+
 ALIGNMENT = 64
 """Every tensor starts on a multiple of this many bytes (a cache line; enough for any dtype)."""
 

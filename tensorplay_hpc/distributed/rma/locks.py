@@ -11,6 +11,8 @@ import threading
 from collections import Counter, deque
 from typing import Callable, Deque, Hashable, List, Optional, Tuple
 
+__all__ = ["Grant", "LockManager"]
+
 Grant = Callable[[], None]
 
 

@@ -17,6 +17,8 @@ from typing import Optional
 
 from tensorplay_hpc.comm.mpi import MPI
 
+__all__ = ["ProgressThread", "poll"]
+
 
 def poll(communicator: Optional[MPI.Comm] = None) -> None:
     """Enter MPI once, so that it serves pending one-sided operations on the windows of

@@ -35,6 +35,8 @@ from tensorplay_hpc.comm.small_collectives import all_gather_object, barrier
 from .locks import LockManager
 from .window import check_accumulable, check_transferable
 
+__all__ = ["HEADER", "ServedWindow"]
+
 # Message tags. Each rank runs a client and a service on one communicator, so every direction
 # has its own: to a service (requests and the data of puts), and back (replies, data of gets).
 REQUEST, REPLY, TO_SERVICE, TO_CLIENT = 1, 2, 3, 4

@@ -17,6 +17,8 @@ from .progress import ProgressThread
 from .reference import RemoteRef, by_owner
 from .transport import AnyWindow, choose, make_window
 
+__all__ = ["SharedTensors", "share"]
+
 
 class SharedTensors(comm.Closeable):
     """The tensors of every rank of a group, each in its owner's window memory.

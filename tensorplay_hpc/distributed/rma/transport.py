@@ -25,6 +25,8 @@ from tensorplay_hpc.comm.capabilities import TRANSPORT_ENV, thread_level_name
 from .served import ServedWindow
 from .window import Window
 
+__all__ = ["AnyWindow", "TransportError", "choose", "make_window"]
+
 AnyWindow = Union[Window, ServedWindow]
 _TO_MULTIPLE = ("run MPI at MPI_THREAD_MULTIPLE (mpi4py's default; MPI4PY_RC_THREAD_LEVEL=multiple "
                 "or mpi4py.rc.thread_level = 'multiple' before importing MPI)")

@@ -24,6 +24,8 @@ from tensorplay_hpc.comm import chunking, lifetime, staging, trace
 from tensorplay_hpc.comm.dtypes import move_datatype, reduce_dtype
 from tensorplay_hpc.comm.mpi import MPI
 
+__all__ = ["Window", "check_accumulable", "check_transferable"]
+
 
 def check_transferable(tensor: torch.Tensor, rank: int) -> None:
     """Raise ``ValueError`` unless ``tensor`` can be a window operation's origin buffer."""

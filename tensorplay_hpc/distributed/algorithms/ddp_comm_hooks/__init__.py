@@ -26,3 +26,6 @@ And one of this package: :func:`.hierarchical_hook.hierarchical_allreduce_hook` 
 :class:`.hierarchical_hook.HierarchicalState`: within each node, then across nodes on
 ``1 / ranks_per_node`` of each bucket, so a node sends each gradient once.
 """
+
+__all__ = ["ddp_zero_hook", "default_hooks", "grad_bucket", "hierarchical_hook",
+           "post_localSGD_hook", "powerSGD_hook"]
