@@ -19,6 +19,7 @@ from typing import Any
 import torch.distributed as dist
 
 from tensorplay_hpc.comm.communicators import create_group
+from tensorplay_hpc.comm.communicators import create_group
 from tensorplay_hpc.comm.group import ProcessGroup
 from tensorplay_hpc.comm.mpi import MPI
 
