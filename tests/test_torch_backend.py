@@ -14,6 +14,8 @@ from tensorplay_hpc.comm import trace
 from tensorplay_hpc.comm.chunking import CHUNK_ENV
 from tensorplay_hpc.distributed.backend import BACKEND_NAME, MPIProcessGroup, UnsupportedOperation
 
+from launch import mpiexec, only_in_single_rank_run
+
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 
@@ -361,3 +363,29 @@ def test_torch_zero_redundancy_optimizer_matches_gloo(groups):
         exp_avg = [] if state is None else [s["exp_avg"] for s in state["state"].values()]
         return [p.detach().clone() for p in model.parameters()] + exp_avg
     _same(*_both(groups, run), atol=1e-12)
+
+
+# --- dist.init_process_group("mpi4py") in a job of its own ---------------------------------------
+
+JOB = os.path.join(os.path.dirname(__file__), "torch_backend_job.py")
+
+
+@only_in_single_rank_run
+def test_init_process_group_needs_no_address():
+    run = mpiexec(2, [JOB, "main"], timeout=180)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "ALL OK on 2 ranks" in run.stdout
+
+
+@only_in_single_rank_run
+def test_init_process_group_across_nodes(simulated_nodes):
+    run = mpiexec(4, [JOB, "main"], timeout=240, nodes=simulated_nodes)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "ALL OK on 4 ranks" in run.stdout
+
+
+@only_in_single_rank_run
+def test_init_process_group_refuses_a_world_size_mpi_did_not_start():
+    run = mpiexec(2, [JOB, "wrong_world_size"], timeout=120)
+    assert run.returncode != 0
+    assert "world_size=99 but MPI says 2" in run.stderr

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import importlib
 import os
+import urllib.parse
 from datetime import timedelta
-from typing import Any, Callable, Iterator, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -23,19 +24,27 @@ __all__ = ["SCHEME", "install"]
 SCHEME = "mpi4py"
 """``init_method="mpi4py://"``."""
 
+_stores: List[MPIStore] = []
+"""Every store handed to torch.distributed. c10d keeps only the C++ part of a store written in
+Python; without a Python reference the rest would be collected and its methods lost."""
 
-def _over_mpi(url: str, timeout: Optional[timedelta] = None, rank: int = -1,
-              world_size: int = -1, **kwargs: Any) -> Iterator[Tuple[dist.Store, int, int]]:
+
+def _over_mpi(url: str, timeout: Optional[timedelta] = None,
+              **kwargs: Any) -> Iterator[Tuple[dist.Store, int, int]]:
     """Yield an MPI store over ``MPI.COMM_WORLD``, this process's rank and the world size;
-    a ``rank`` or ``world_size`` the caller gave must agree with MPI's."""
+    a ``rank`` or ``world_size`` the caller gave (torch.distributed puts them in the URL's
+    query) must agree with MPI's."""
+    query = urllib.parse.parse_qs(urllib.parse.urlparse(url).query)
     world = MPI.COMM_WORLD
     mpi_rank, mpi_size = world.Get_rank(), world.Get_size()
-    for given, actual, name in ((rank, mpi_rank, "rank"), (world_size, mpi_size, "world_size")):
-        if given not in (-1, None) and int(given) != actual:
+    for name, actual in (("rank", mpi_rank), ("world_size", mpi_size)):
+        given = int(query.get(name, ["-1"])[0])
+        if given != -1 and given != actual:
             raise ValueError(f"init_process_group: {name}={given} but MPI says {actual} "
                              f"(MPI world rank {mpi_rank} of {mpi_size}): under MPI leave "
                              f"rank and world_size out")
     store = MPIStore(world, timeout) if timeout is not None else MPIStore(world)
+    _stores.append(store)
     yield store, mpi_rank, mpi_size
     raise RuntimeError("the MPI rendezvous happens once per process group")
 

@@ -1,0 +1,89 @@
+"""A job that starts torch.distributed on the mpi4py backend the way a user does, with no
+MASTER_ADDR: ``dist.init_process_group("mpi4py")``. It checks the MPI store, a gloo group that
+meets its peers through that store, PyTorch's DDP on the default group against the same over
+gloo, and FSDP2 on a mesh of the default group against a local Adam; rank 0 prints ``ALL OK``."""
+import copy
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import tensorplay_hpc.distributed  # noqa: F401  (registers the backend)
+from tensorplay_hpc.distributed.backend import MPIProcessGroup
+
+
+def model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3)).double()
+
+
+def batches(size):
+    for step in range(3):
+        torch.manual_seed(50 + step)
+        yield torch.randn(2 * size, 6, dtype=torch.float64)
+
+
+def main() -> None:
+    assert "MASTER_ADDR" not in os.environ
+    dist.init_process_group("mpi4py")
+    from mpi4py import MPI
+    rank, size = dist.get_rank(), dist.get_world_size()
+    assert (rank, size) == (MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size())
+    assert isinstance(dist.group.WORLD, MPIProcessGroup) and dist.get_backend() == "mpi4py"
+
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"rank{rank}", f"hello from {rank}")
+    assert store.add("arrived", 1) >= 1
+    store.wait([f"rank{r}" for r in range(size)])
+    assert [store.get(f"rank{r}") for r in range(size)] == \
+        [f"hello from {r}".encode() for r in range(size)]
+    dist.barrier()
+    assert store.get("arrived") == str(size).encode()
+    won = store.compare_set("leader", "", str(rank))
+    dist.barrier()
+    assert store.get("leader") == won if won == store.get("leader") else True
+    leaders = [None] * size
+    dist.all_gather_object(leaders, store.get("leader"))
+    assert len(set(leaders)) == 1
+
+    gloo = dist.new_group(backend="gloo")   # gloo meets its peers through the MPI store
+    results = []
+    for group in (dist.group.WORLD, gloo):
+        ddp = nn.parallel.DistributedDataParallel(model(), process_group=group)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        for x in batches(size):
+            ddp(x[2 * rank:2 * rank + 2]).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        results.append([p.detach() for p in ddp.parameters()])
+    for ours, theirs in zip(*results):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0 if size <= 2 else 1e-12)
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    sharded, local = model(), model()
+    fully_shard(sharded[0], mesh=init_device_mesh("cpu", (size,)))
+    fully_shard(sharded, mesh=init_device_mesh("cpu", (size,)))
+    opts = [torch.optim.Adam(m.parameters(), lr=0.05) for m in (sharded, local)]
+    for x in batches(size):
+        sharded(x[2 * rank:2 * rank + 2]).pow(2).sum().backward()
+        (local(x).pow(2).sum() / size).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    for mine, reference in zip(sharded.parameters(), local.parameters()):
+        torch.testing.assert_close(mine.full_tensor(), reference.detach(), rtol=1e-12,
+                                   atol=1e-12)
+    dist.destroy_process_group()
+    if rank == 0:
+        print(f"ALL OK on {size} ranks", flush=True)
+
+
+def wrong_world_size() -> None:
+    dist.init_process_group("mpi4py", rank=0, world_size=99)
+
+
+if __name__ == "__main__":
+    {"main": main, "wrong_world_size": wrong_world_size}[sys.argv[1]]()
