@@ -228,7 +228,7 @@ def test_failed_save_leaves_previous_checkpoint(folder, monkeypatch):
     if WORLD.Get_rank() == bad_rank:
         def fail(*args, **kwargs):
             raise OSError(28, "No space left on device")
-        monkeypatch.setattr("tensorplay_hpc.checkpoint.writer._write_own", fail)
+        monkeypatch.setattr("tensorplay_hpc.checkpoint.writer.write_own", fail)
     with torch.no_grad():
         model[0].weight.add_(1.0)
     with pytest.raises(checkpoint.CheckpointError, match=f"rank {bad_rank}: OSError.*No space"):
@@ -253,8 +253,8 @@ def test_a_layout_failing_on_rank_0_is_the_same_error_on_every_rank(folder, monk
 
     def fail(*args):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr("tensorplay_hpc.checkpoint.writer._lay_out", fail)
-    monkeypatch.setattr("tensorplay_hpc.checkpoint.writer._write_own",
+    monkeypatch.setattr("tensorplay_hpc.checkpoint.writer.lay_out", fail)
+    monkeypatch.setattr("tensorplay_hpc.checkpoint.writer.write_own",
                         lambda *args: written.append(args))
     with pytest.raises(checkpoint.CheckpointError) as raised:
         checkpoint.save(path, model, extra={"step": 2})

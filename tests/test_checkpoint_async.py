@@ -107,14 +107,14 @@ def test_saves_in_a_row_reuse_the_host_buffers_and_keep_the_newest(folder):
                                              optimizer, extra={"step": step}, keep=2))
         if step > 1:
             assert handles[-2].done()                        # the new save waited for it
-        sizes = WORLD.allgather(checkpoint._checkpointers[WORLD.py2f()].host_bytes)
+        sizes = WORLD.allgather(checkpoint.async_checkpointer().host_bytes)
         train(model, optimizer, step, 1)
         # The model's 62,403 float32 values and one int64 counter, AdamW's 2 x 61,803 float32
         # moments and 6 float32 step counters, split between the ranks.
         assert sum(sizes) == (62_403 + 2 * 61_803 + 6) * 4 + 8 == 744_068
     assert handles[-1].wait().endswith("step-3.h5")
     checkpoint.close_async()
-    assert WORLD.py2f() not in checkpoint._checkpointers
+    assert checkpoint.async_checkpointer() is None
     names = sorted(n for n in os.listdir(folder) if n.endswith(".h5"))
     assert names == ["step-2.h5", "step-3.h5"]
     assert checkpoint.latest(folder) == handles[-1].path
@@ -206,7 +206,7 @@ def test_a_blocking_save_lets_the_background_write_finish_first(folder):
                                    extra={"step": 1})
     blocking = checkpoint.save(os.path.join(folder, "blocking.h5"), model, optimizer,
                                extra={"step": 1})
-    assert handle.done() == checkpoint._checkpointers[WORLD.py2f()].threaded   # joined
+    assert handle.done() == checkpoint.async_checkpointer().threaded   # joined
     assert handle.wait() == os.path.join(folder, "background.h5")
     checkpoint.close_async()
     if WORLD.Get_rank() == 0:

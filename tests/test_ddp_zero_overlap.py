@@ -271,10 +271,10 @@ def test_warm_up_counts_synchronized_passes_only(world):
         _loss(ddp, x).backward()
     for _ in range(2):
         _loss(ddp, x).backward()
-    assert zero._overlap.iterations == 2
+    assert zero.ddp_overlap.iterations == 2
     assert all(torch.equal(p, q) for p, q in zip(ddp.parameters(), initial))
     _loss(ddp, x).backward()
-    assert zero._overlap.iterations == 3
+    assert zero.ddp_overlap.iterations == 3
     assert not torch.equal(ddp.module[0].weight, initial[0])
 
 

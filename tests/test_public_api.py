@@ -1,5 +1,6 @@
 """The public API is marked: every public module says what it exports (``__all__``), every name
-it lists exists, the documented import paths work with their documented arguments."""
+it lists exists, the documented import paths work with their documented arguments, and the
+tests and benchmarks use public names of the package, never its private ones."""
 import ast
 import importlib
 import inspect
@@ -11,6 +12,7 @@ import pytest
 import tensorplay_hpc
 
 SOURCE = Path(tensorplay_hpc.__file__).parent
+REPO = SOURCE.parent
 
 
 def public_modules() -> List[str]:
@@ -101,3 +103,57 @@ def test_comm_exports_its_interface_not_its_internals():
     for internal in ("Staged", "memory", "chunks", "chunk_elements", "piece_elements",
                      "pack_by_dtype_device", "private_comm"):
         assert internal not in comm.__all__ and not hasattr(comm, internal), internal
+
+
+PRIVATE_SEAMS = ("_write_own", "_buffers", "_overlap", "_checkpointers", "_agree_on_pass")
+"""Private attributes that tests and benchmarks once reached into; each has a public seam."""
+
+
+def private_uses(path: Path) -> List[str]:
+    """Where the file imports a private name of the package, reads a private attribute of one of
+    its modules, or names one of :data:`PRIVATE_SEAMS` on any object but ``self``."""
+    tree = ast.parse(path.read_text())
+    modules = set()
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tensorplay_hpc"):
+            for alias in node.names:
+                if alias.name.startswith("_"):
+                    found.append(f"{path.name}:{node.lineno}: imports {node.module}.{alias.name}")
+                modules.add(alias.asname or alias.name)
+        elif isinstance(node, ast.Import):
+            modules.update(a.asname or a.name for a in node.names
+                           if a.name.startswith("tensorplay_hpc"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") \
+                and not node.attr.startswith("__"):
+            owner = ast.unparse(node.value)
+            if owner in modules or (node.attr in PRIVATE_SEAMS and owner != "self"):
+                found.append(f"{path.name}:{node.lineno}: {owner}.{node.attr}")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                and node.value.startswith("tensorplay_hpc.") \
+                and any(part.startswith("_") and not part.startswith("__")
+                        for part in node.value.split(".")):
+            found.append(f"{path.name}:{node.lineno}: {node.value}")
+    return sorted(found, key=lambda use: int(use.split(":")[1]))
+
+
+def test_tests_and_benchmarks_use_public_names():
+    files = sorted((REPO / "tests").rglob("*.py")) + sorted((SOURCE / "bench").rglob("*.py"))
+    found = [use for path in files for use in private_uses(path)]
+    assert found == []
+
+
+def test_a_private_use_is_named(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text("from tensorplay_hpc.checkpoint import writer, _checkpointers\n"
+                      "import tensorplay_hpc.checkpoint as checkpoint\n"
+                      "writer._write_own = None\n"
+                      "checkpoint._hidden()\n"
+                      "self._overlap = zero._overlap\n"
+                      "patch('tensorplay_hpc.checkpoint.writer._write_own')\n")
+    assert private_uses(sample) == [
+        "sample.py:1: imports tensorplay_hpc.checkpoint._checkpointers",
+        "sample.py:3: writer._write_own", "sample.py:4: checkpoint._hidden",
+        "sample.py:5: zero._overlap",
+        "sample.py:6: tensorplay_hpc.checkpoint.writer._write_own"]

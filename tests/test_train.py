@@ -21,7 +21,7 @@ from tensorplay_hpc.train.data import VALIDATION_EVERY, Corpus, batch_for_rank, 
 from tensorplay_hpc.train.data import VOCAB_SIZE
 from tensorplay_hpc.train.history import History
 from tensorplay_hpc.train.model import CharTransformer
-from tensorplay_hpc.train.loop import EXIT_PREEMPTED, _threads_per_rank, train
+from tensorplay_hpc.train.loop import EXIT_PREEMPTED, threads_per_rank, train
 from tensorplay_hpc.train.config import UsageError
 from tensorplay_hpc.train.run_folder import CheckpointsDoNotFit, RunFolderInUse
 from tensorplay_hpc.train.preemption import Preemption
@@ -237,8 +237,8 @@ def test_resume_without_a_checkpoint_it_can_continue_is_refused_and_writes_nothi
 
 def test_threads_follow_slurm_cpus_per_task(monkeypatch):
     monkeypatch.setenv("SLURM_CPUS_PER_TASK", "8")
-    assert _threads_per_rank(WORLD, 0) == 8
-    assert _threads_per_rank(WORLD, 3) == 3
+    assert threads_per_rank(WORLD, 0) == 8
+    assert threads_per_rank(WORLD, 3) == 3
 
 
 # -- the program under mpiexec --------------------------------------------------------------------

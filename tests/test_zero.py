@@ -375,7 +375,7 @@ def test_without_bucket_view_the_sync_stages_bounded_pieces(setting, piece_bytes
     storages = [p.untyped_storage().data_ptr() for p in model.parameters()]
     zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=0.01)
     plain = torch.optim.AdamW(reference.parameters(), lr=0.01)
-    (staged,) = zero._buffers
+    (staged,) = zero.shard_buffers
     per_rank = max(1, piece_bytes // 4 // zero.world_size)
     assert staged.staging.numel() == min(per_rank * zero.world_size, 40 + 21 + 54)
     largest = max(sum(zero.params_by_index[i].numel() for i in chain(*zero.partition.owned(r)))
@@ -393,11 +393,11 @@ def test_mixed_dtypes(bucket_view):
     zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam,
                                    parameters_as_bucket_view=bucket_view, lr=0.01)
     plain = torch.optim.Adam(reference.parameters(), lr=0.01)
-    buffers = [b.flat.buffer if bucket_view else b.staging for b in zero._buffers]
+    buffers = [b.flat.buffer if bucket_view else b.staging for b in zero.shard_buffers]
     assert [b.dtype for b in buffers] == [torch.float32, torch.bfloat16]
     assert [b.numel() for b in buffers] == [40 + 21, 54]
     if bucket_view:
-        for buffer in zero._buffers:
+        for buffer in zero.shard_buffers:
             for param in buffer.params:
                 assert param.untyped_storage().data_ptr() == \
                     buffer.flat.buffer.untyped_storage().data_ptr()
@@ -570,7 +570,7 @@ def test_overlap_with_ddp(world, optimizer_class, kwargs):
     # buckets of 27, 48 and 40 elements, bucket b to rank b % size (PyTorch's assignment)
     expected_owners = {1: [[0], [0], [0]], 2: [[0], [1], [0]], 4: [[0], [1], [2]]}
     if size in expected_owners:
-        assert zero._overlap.owners == expected_owners[size]
+        assert zero.ddp_overlap.owners == expected_owners[size]
     plain = optimizer_class(reference.parameters(), **kwargs)
     for step in range(2):   # PyTorch's warm-up: gradients are averaged, parameters stay
         ddp(_rank_data(rank, step)).sin().sum().backward()

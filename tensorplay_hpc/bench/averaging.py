@@ -87,8 +87,7 @@ def _gradient_check(report: Report, params: list, averager_s: float) -> None:
         small_averager = averagers.PeriodicModelAverager(period=1)
 
     def check(checked: list):
-        return lambda: utils._checked(private, utils.GRADIENTS_DIFFER,
-                                      lambda: utils._with_gradients(checked))
+        return lambda: utils.params_with_gradients(private, checked)
 
     def raw_gather() -> None:
         world.Allgather([digest, MPI.BYTE], [digests, MPI.BYTE])

@@ -57,7 +57,7 @@ def _agreement(report: Report, module: torch.nn.Module, small: torch.nn.Module,
     small_theirs = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(small))
     with ours, small_ddp:
         agree_s, raw_s, small_s, small_theirs_s = compare(
-            [ours.reducer._agree_on_pass, raw, _step(small_ddp, x), _step(small_theirs, x)],
+            [ours.reducer.agree_on_pass, raw, _step(small_ddp, x), _step(small_theirs, x)],
             report.repeat)
     report.add("ddp", "end-of-backward agreement", agree_s, "mpi4py-raw", raw_s,
                nbytes=flags.nbytes, mlp_step_share_pct=round(100 * agree_s / step_s, 3),

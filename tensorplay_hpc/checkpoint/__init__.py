@@ -27,7 +27,7 @@ from .reader import Reader
 from .replicas import Replicas
 
 __all__ = ["AsyncCheckpointer", "CheckpointError", "Reader", "SaveHandle", "checkpoints",
-           "close_async", "latest", "load", "save", "save_async"]
+           "async_checkpointer", "close_async", "latest", "load", "save", "save_async"]
 
 
 @collector.paused()
@@ -98,6 +98,13 @@ def save_async(path: str, model: Optional[torch.nn.Module] = None,
     if key not in _checkpointers:
         _checkpointers[key] = AsyncCheckpointer(process_group)
     return _checkpointers[key].save(path, model, optimizer, extra, keep, replica_group)
+
+
+def async_checkpointer(process_group: Optional[MPI.Intracomm] = None
+                       ) -> Optional[AsyncCheckpointer]:
+    """The writer that :func:`save_async` made for ``process_group`` (default world), or None
+    if it made none or :func:`close_async` has freed it. Local."""
+    return _checkpointers.get(resolve(process_group).py2f())
 
 
 def close_async(process_group: Optional[MPI.Intracomm] = None) -> None:

@@ -39,7 +39,7 @@ from . import format as fmt
 from .catalog import COLUMNS, CRC, DTYPE, NUMEL, OFFSET, Catalog, packed_dataset, stored_dtype
 from .snapshot import Snapshot
 
-__all__ = ["Arrays", "Layout", "commit", "plan", "write", "write_data"]
+__all__ = ["Arrays", "Layout", "commit", "lay_out", "plan", "write", "write_data", "write_own"]
 
 Arrays = List[Tuple[str, np.ndarray]]
 
@@ -69,7 +69,7 @@ def _allocated() -> h5py.h5p.PropDCID:
     return dcpl
 
 
-def _lay_out(temporary: str, catalog: Catalog, root_attributes: dict) -> Tuple[np.ndarray, int]:
+def lay_out(temporary: str, catalog: Catalog, root_attributes: dict) -> Tuple[np.ndarray, int]:
     """Rank 0: create the file, every dataset of ``catalog.datasets`` allocated and unwritten,
     the catalog and the root's attributes written, but for the catalog's columns (they hold the
     checksums), which are only allocated. Returns each dataset's byte offset in the file, in
@@ -104,7 +104,7 @@ def _lay_out(temporary: str, catalog: Catalog, root_attributes: dict) -> Tuple[n
 
 def _write_columns(temporary: str, offset: int, catalog: Catalog, crcs: np.ndarray) -> None:
     """Rank 0: put the checksums ``crcs`` into ``catalog`` and write its columns into their
-    place in the file (``offset``, as :func:`_lay_out` returns it). Local."""
+    place in the file (``offset``, as :func:`lay_out` returns it). Local."""
     catalog.columns[:, CRC] = crcs
     if offset < 0:
         return
@@ -238,10 +238,10 @@ def _open_for_writing(temporary: str) -> MPI.File:
         raise OSError(errno.EIO, f"MPI-IO cannot open the file: {failure}") from None
 
 
-def _write_own(temporary: str, catalog: Catalog, offsets: np.ndarray, first_row: int,
+def write_own(temporary: str, catalog: Catalog, offsets: np.ndarray, first_row: int,
                arrays: Arrays) -> np.ndarray:
     """Write this rank's arrays (catalog rows ``first_row`` on) where their datasets lie
-    (``offsets``, as :func:`_lay_out` returns them), taking the CRC-32 of each run just before
+    (``offsets``, as :func:`lay_out` returns them), taking the CRC-32 of each run just before
     writing it, and ``fsync`` them: on a parallel file system each node holds its own writes
     until it syncs them, so rank 0's ``fsync`` at the commit would not make them durable.
     Returns the arrays' checksums (``int64``). Local: the file is opened by this rank alone (an
@@ -281,12 +281,12 @@ def _write(layout: Layout, comm: MPI.Intracomm, what: str) -> None:
     columns_offset = -1
     with fail_together(**together):
         if comm.Get_rank() == 0:
-            offsets, columns_offset = _lay_out(layout.temporary, layout.catalog,
+            offsets, columns_offset = lay_out(layout.temporary, layout.catalog,
                                                layout.root_attributes)
     broadcast_array(offsets, comm)
     crcs = np.zeros(len(layout.arrays), dtype=np.int64)
     with fail_together(**together):
-        crcs = _write_own(layout.temporary, layout.catalog, offsets, layout.first_row,
+        crcs = write_own(layout.temporary, layout.catalog, offsets, layout.first_row,
                           layout.arrays)
     every = gather_array(crcs, layout.rows, comm)
     with fail_together(**together):
@@ -347,7 +347,7 @@ def plan(path: str, snapshot: Snapshot, comm: MPI.Intracomm, keep: Optional[int]
     if len(set(names)) != len(names):
         duplicate = next(n for n, count in Counter(names).items() if count > 1)
         raise fmt.CheckpointError(f"{what}: dataset {duplicate!r} is written by two ranks")
-    # The checksums are taken as each rank writes (see :func:`_write_own`).
+    # The checksums are taken as each rank writes (see :func:`write_own`).
     catalog = Catalog.lay_out(names, shapes, dtypes, np.zeros(len(names), np.int64), attributes)
 
     temporary = broadcast_object(files.temporary_name(path) if rank == 0 else None, comm)

@@ -27,7 +27,7 @@ from .progress import Progress
 from .run_folder import METRICS_FILE, PLOT_FILE, write_settings
 from .timeline import TIMELINE_FILE, plot_timeline
 
-__all__ = ["Outcome", "Run", "train"]
+__all__ = ["Outcome", "Run", "threads_per_rank", "train"]
 
 
 @dataclass
@@ -42,7 +42,7 @@ class Outcome:
     exit_code: int
 
 
-def _threads_per_rank(world: MPI.Intracomm, requested: int) -> int:
+def threads_per_rank(world: MPI.Intracomm, requested: int) -> int:
     """``--threads``, else Slurm's CPUs per task, else the node's cores over its ranks."""
     if requested:
         return requested
@@ -85,7 +85,7 @@ class Run(comm.Closeable):
         self.config = config
         self.group = comm.ProcessGroup(world, owner="the training run")
         self.world = world
-        torch.set_num_threads(_threads_per_rank(world, config.threads))
+        torch.set_num_threads(threads_per_rank(world, config.threads))
         self.device = _device(config, world)
         self.corpus = Corpus.from_stdlib()
         torch.manual_seed(config.seed)

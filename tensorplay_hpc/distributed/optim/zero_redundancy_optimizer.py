@@ -598,6 +598,19 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable, comm.Closeable):
         return _ZeROJoinHook(self)
 
     @property
+    def shard_buffers(self) -> List[AnyShards]:
+        """The buffers that gather the updated parameters, one per dtype and device: a
+        :class:`~.shard_buffer.ShardBuffer` (``parameters_as_bucket_view``) or
+        :class:`~.shard_buffer.StagedShards`. Empty with ``overlap_with_ddp``."""
+        return list(self._buffers)
+
+    @property
+    def ddp_overlap(self) -> Optional[DDPOverlap]:
+        """The step overlapped with DDP's backward pass (``overlap_with_ddp=True``), once
+        DDP's communication hook has made it; otherwise None."""
+        return self._overlap
+
+    @property
     def join_device(self) -> torch.device:
         """The device of the first parameter."""
         return self.params_by_index[0].device

@@ -338,7 +338,7 @@ class Reducer:
                 results.append(self._start(bucket))
         for result in results:
             result_tensor(result)
-        failed, _ = self._agree_on_pass(False, [False] * len(self.params))
+        failed, _ = self.agree_on_pass(False, [False] * len(self.params))
         if failed:
             comm.agree(self.comm, None, "DistributedDataParallel's backward pass")
 
@@ -370,7 +370,7 @@ class Reducer:
                     consumed.add(bucket.index())
                 elif reduced.data_ptr() != bucket.buffer().data_ptr():
                     bucket.set_buffer(reduced)
-            failed, used = self._agree_on_pass(bool(problems))
+            failed, used = self.agree_on_pass(bool(problems))
             if learning:
                 self._static_unused, self._static_used = missing, used
             if self.static_graph:
@@ -385,7 +385,7 @@ class Reducer:
             error = RuntimeError("; ".join(problems)) if problems else None
             comm.agree(self.comm, error, "DistributedDataParallel's backward pass")
 
-    def _agree_on_pass(self, problem: bool = False,
+    def agree_on_pass(self, problem: bool = False,
                        used: Optional[Sequence[bool]] = None) -> Tuple[bool, List[bool]]:
         """Whether any rank had a ``problem`` in this pass, and which parameters had a gradient
         on some rank (``used`` here, by default those used since the last synchronized pass).

@@ -14,7 +14,8 @@ from tensorplay_hpc.comm.mpi import MPI
 from tensorplay_hpc.comm.private import private_comm
 
 __all__ = ["average_parameters", "average_parameters_or_parameter_groups",
-           "average_on_communicator", "get_params_to_average"]
+           "average_on_communicator", "get_params_to_average",
+           "params_with_gradients"]
 
 Params = Union[Iterable[torch.nn.Parameter], Iterable[Dict[str, object]]]
 Labelled = List[Tuple[str, torch.Tensor]]
@@ -58,6 +59,14 @@ def _checked(communicator: MPI.Intracomm, what: str,
                        valid_items=lambda: described[1]):
         described = describe()
     return described[0]
+
+
+def params_with_gradients(communicator: MPI.Intracomm, params: Params,
+                          what: str = GRADIENTS_DIFFER) -> List[torch.Tensor]:
+    """The parameters of ``params`` that have a gradient, once every rank has the same ones
+    (the check :func:`average_parameters_or_parameter_groups` makes before averaging). Collective:
+    one allgather of a digest; a difference is a ``ValueError`` naming it on every rank."""
+    return _checked(communicator, what, lambda: _with_gradients(params))
 
 
 def _with_gradients(params: Params) -> Tuple[List[torch.Tensor], List[Item]]:
@@ -127,7 +136,7 @@ def average_on_communicator(params: Params, communicator: MPI.Comm,
     """
     if communicator == MPI.COMM_NULL:
         return
-    _average(_checked(communicator, what, lambda: _with_gradients(params)),
+    _average(params_with_gradients(communicator, params, what),
              communicator, buffers)
 
 
