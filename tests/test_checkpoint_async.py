@@ -134,7 +134,7 @@ def test_a_write_failing_on_one_rank_raises_the_same_error_on_every_rank(folder,
         if WORLD.Get_rank() == bad:
             def fail(*args, **kwargs):
                 raise OSError(28, "No space left on device")
-            monkeypatch.setattr("tensorplay_hpc.checkpoint.writer._write_own", fail)
+            monkeypatch.setattr("tensorplay_hpc.checkpoint.writer.write_own", fail)
         handle = checkpointer.save(path, model, optimizer, extra={"step": 2})
         train(model, optimizer, 0, 1)
         with pytest.raises(checkpoint.CheckpointError) as raised:
