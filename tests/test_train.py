@@ -21,7 +21,7 @@ from tensorplay_hpc.train.data import VALIDATION_EVERY, Corpus, batch_for_rank, 
 from tensorplay_hpc.train.data import VOCAB_SIZE
 from tensorplay_hpc.train.history import History
 from tensorplay_hpc.train.model import CharTransformer
-from tensorplay_hpc.train.loop import EXIT_PREEMPTED, threads_per_rank, train
+from tensorplay_hpc.train.loop import EXIT_PREEMPTED, Run, threads_per_rank, train
 from tensorplay_hpc.train.config import UsageError
 from tensorplay_hpc.train.run_folder import CheckpointsDoNotFit, RunFolderInUse
 from tensorplay_hpc.train.preemption import Preemption
@@ -193,8 +193,11 @@ def test_a_new_run_refuses_a_folder_with_an_earlier_run_and_resume_names_changed
     assert (shared_dir / "metrics.csv").read_text() == metrics
     assert sorted(p.name for p in (shared_dir / "checkpoints").iterdir()) == ["step-0000002.h5"]
     capsys.readouterr()
-    resumed = train_here(tiny(shared_dir, steps=3, lr=0.01, resume=True))
-    assert resumed.steps == 3
+    with Preemption() as preemption, Run(tiny(shared_dir, steps=3, lr=0.01, resume=True)) as run:
+        resumed = run.train(preemption)
+        stepped_with = {group["lr"] for group in run.strategy.optimizer.optim.param_groups}
+    WORLD.Barrier()
+    assert resumed.steps == 3 and stepped_with == {0.01}
     said = capsys.readouterr().out
     if WORLD.rank == 0:
         assert "--resume: --lr was 0.003 when the checkpoint was saved, now 0.01" in said

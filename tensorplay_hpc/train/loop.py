@@ -164,6 +164,10 @@ class Run(comm.Closeable):
         self.history = History.from_extra(extra["history"])
         self.history.restarts.append(self.history.step)
         self.strategy.resumed_at(self.history.step, extra)
+        # Loading the optimizer's state brought back the checkpoint's hyperparameters: the
+        # command line's apply, as the changes printed above say.
+        for group in self.strategy.optimizer.param_groups:
+            group.update(strategies.inner_defaults(self.config))
         self.last_checkpoint = path
         saved_ranks = int(extra["config"].get("ranks", self.group.size))
         note = ("" if saved_ranks == self.group.size else
