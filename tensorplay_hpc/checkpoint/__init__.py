@@ -18,7 +18,7 @@ from tensorplay_hpc.comm import ProcessGroup, resolve
 from tensorplay_hpc.comm.agreement import fail_together
 from tensorplay_hpc.comm.mpi import MPI
 
-from . import background, collector, restore, snapshot, writer
+from . import background, collector, restore, same_call, snapshot, writer
 from .background import AsyncCheckpointer, SaveHandle
 from .files import checkpoints, latest
 from .format import CheckpointError
@@ -63,6 +63,7 @@ def save(path: str, model: Optional[torch.nn.Module] = None,
     background.join_writers()
     group = ProcessGroup(process_group, owner="checkpoint.save")
     try:
+        same_call.check_save(group.comm, path, model, optimizer, replica_group)
         snap = snapshot.collect(group.comm, path, model, optimizer, extra, replica_group)
         return writer.write(path, snap, group.comm, keep)
     finally:
@@ -140,6 +141,7 @@ def load(path: str, model: Optional[torch.nn.Module] = None,
     """
     group = ProcessGroup(process_group)
     try:
+        same_call.check_call(group.comm, same_call.LOAD, path)
         reader, replicas = None, None
         try:
             with fail_together(group.comm, f"loading checkpoint {path}", CheckpointError):

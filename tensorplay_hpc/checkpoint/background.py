@@ -22,7 +22,7 @@ from tensorplay_hpc.comm import Closeable, ProcessGroup
 from tensorplay_hpc.comm.capabilities import ranks_below_multiple
 from tensorplay_hpc.comm.mpi import MPI
 
-from . import collector, snapshot, writer
+from . import collector, same_call, snapshot, writer
 from .host_copy import HostBuffers
 from .optimizers import Checkpointable
 
@@ -150,6 +150,7 @@ class AsyncCheckpointer(Closeable):
         started = time.perf_counter()
         self._finish_previous()
         group = self._group.comm
+        same_call.check_save(group, path, model, optimizer, replica_group)
         snap = snapshot.collect(group, path, model, optimizer, extra, replica_group,
                                 self._buffers.copy)
         self._pending = SaveHandle(

@@ -86,10 +86,13 @@ def add_optimizer(snap: Snapshot, state: Dict[int, Dict[str, Any]], rank: int, k
 
 
 def add_extra(snap: Snapshot, extra: Optional[Dict[str, Any]], rank: int) -> None:
-    """This rank's extras: tensors and arrays as datasets, the rest as JSON values."""
+    """This rank's extras: tensors and arrays as datasets, the rest as JSON values. A key must
+    be a non-empty string without ``/`` (which would nest HDF5 groups that a load cannot read)."""
     group = fmt.extra_group(rank)
     plain = {}
     for key, value in (extra or {}).items():
+        if not isinstance(key, str) or not key or "/" in key:
+            raise ValueError(f"extra key {key!r}: keys must be non-empty strings without '/'")
         if isinstance(value, np.ndarray):
             value = torch.from_numpy(value)
         if isinstance(value, torch.Tensor):
