@@ -49,13 +49,15 @@ def test_device_cuda_without_a_gpu_is_a_usage_error_on_every_rank(tmp_path):
 def test_bad_options_and_unusable_folders_are_usage_errors_before_any_work(tmp_path):
     """Each case ends with status 2 on every rank and one error line, printed once, with no
     traceback or abort, and creates nothing. Three jobs run at a time. (Every invalid setting
-    takes the path of --lr nan: test_train.py's test_settings_are_checked has their messages.)"""
+    takes the path of the first two: test_train.py's test_settings_are_checked has the
+    messages of the others.)"""
     a_file, read_only = tmp_path / "a-file", tmp_path / "read-only"
     a_file.write_text("not a folder\n")
     read_only.mkdir()
     run_dir = ["--run-dir", str(tmp_path / "run")]
     cases = {
         "--lr must be a positive number, got nan": train_command(2, "--lr", "nan", *run_dir),
+        "--width 32 is not a multiple of --heads 3": train_command(1, "--heads", "3", *run_dir),
         "--context 99000000 is longer than the validation text allows": train_command(
             1, "--context", "99000000", *run_dir),
         f"--run-dir {read_only}/run: {read_only} is on a read-only file system":
