@@ -25,6 +25,8 @@ from tensorplay_hpc.comm.small_collectives import all_gather_object
 from . import format as fmt
 from .optimizers import Checkpointable, adapter_for
 
+__all__ = ["Entry", "LOAD", "SAVE", "check_call", "check_replicated", "check_save"]
+
 SAVE, LOAD = "checkpoint.save", "checkpoint.load"
 
 Entry = Tuple[str, Any]

@@ -19,12 +19,16 @@ from .mpi import MPI
 
 __all__ = ["all_gather_array", "all_gather_object", "all_reduce_array", "all_reduce_object",
            "barrier", "broadcast_array", "broadcast_object", "gather_array", "gather_object",
-           "quiet_barrier"]
+           "quiet_barrier", "BACKGROUND_PAUSE_S"]
 
 T = TypeVar("T")
 
 LONGEST_PAUSE_S = 1e-3
 """The longest sleep between two tests of :func:`quiet_barrier`, by default."""
+BACKGROUND_PAUSE_S = 2e-4
+"""The longest sleep of :func:`quiet_barrier` on a communication thread beside the backward pass
+(DDP's reductions, ZeRO's overlapped step): short, so that a bucket's collective starts soon
+after the last rank arrives."""
 
 
 def _watched(name: str, comm: MPI.Intracomm):

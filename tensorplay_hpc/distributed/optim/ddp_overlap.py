@@ -33,6 +33,7 @@ import torch
 from tensorplay_hpc import comm
 from tensorplay_hpc.comm import trace
 from tensorplay_hpc.comm.private import private_comm
+from tensorplay_hpc.comm.small_collectives import BACKGROUND_PAUSE_S
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_fut
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.grad_bucket import (
     result_done, result_tensor)
@@ -99,7 +100,7 @@ class _OwnersStep(_BucketStep):
         shards = overlap.shards[bucket.index()]
 
         def reduce_to_owners(buffer: torch.Tensor) -> None:
-            comm.quiet_barrier(group)   # on DDP's thread: the waiting leaves the core free
+            comm.quiet_barrier(group, BACKGROUND_PAUSE_S)   # on DDP's thread, as its reductions
             buffer.div_(group.Get_size())
             for shard in shards:
                 comm.reduce(buffer[flat.offsets[shard.start]:overlap.end(flat, shard)], group,

@@ -9,23 +9,7 @@ from typing import Callable, Optional
 
 import torch
 
-from tensorplay_hpc.comm.mpi import MPI
-from tensorplay_hpc.comm.small_collectives import quiet_barrier
-
-__all__ = ["CommThread", "ThreadWork", "wait_for_all"]
-
-POLL_SECONDS = 2e-4
-
-
-def wait_for_all(comm: MPI.Intracomm) -> None:
-    """Block until every rank of ``comm`` has called this, sleeping between tests.
-
-    A blocking MPI collective spins while it waits for late ranks, taking a core from the
-    backward pass that runs beside it; waiting here first means the collective that follows
-    starts with every rank present. Collective: :func:`~tensorplay_hpc.comm.quiet_barrier`
-    sleeping at most :data:`POLL_SECONDS` between tests.
-    """
-    quiet_barrier(comm, POLL_SECONDS)
+__all__ = ["CommThread", "ThreadWork"]
 
 
 class ThreadWork:

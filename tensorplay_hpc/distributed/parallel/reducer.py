@@ -39,11 +39,12 @@ from torch.utils._pytree import tree_leaves
 
 from tensorplay_hpc import comm
 from tensorplay_hpc.comm import trace
+from tensorplay_hpc.comm.small_collectives import BACKGROUND_PAUSE_S
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.default_hooks import BucketWork
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.grad_bucket import (
     GradBucket, result_done, result_tensor)
 
-from .comm_thread import CommThread, wait_for_all
+from .comm_thread import CommThread
 
 __all__ = ["FIRST_BUCKET_BYTES", "Hook", "Reducer", "assign_buckets", "reachable_parameters"]
 
@@ -308,7 +309,9 @@ class Reducer:
         """The built-in reduction of one bucket (its buffer, or its gradients where they are),
         in place."""
         if self._worker is not None:
-            wait_for_all(self.comm)   # the late ranks' backward passes keep their cores meanwhile
+            # A blocking collective would spin while late ranks finish their backward pass,
+            # taking the core their backward pass (and ours) needs: wait for them quietly first.
+            comm.quiet_barrier(self.comm, BACKGROUND_PAUSE_S)
         if self.divisor is None:
             # Each piece is divided right after its sum, while it is still in the cache.
             comm.all_reduce_coalesced(tensors, self.comm, comm.ReduceOp.AVG)
