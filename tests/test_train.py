@@ -227,6 +227,7 @@ def test_resume_without_a_checkpoint_it_can_continue_is_refused_and_writes_nothi
     assert files_in(shared_dir) == before
 
     other = shared_dir / "other"   # a checkpoint without the run's settings, of another model
+    torch.manual_seed(0)   # the same on every rank
     checkpoint.save(str(other / "checkpoints" / "step-0000001.h5"), model=torch.nn.Linear(2, 2),
                     extra={"step": 1}, process_group=WORLD)
     before = files_in(other)
