@@ -42,10 +42,10 @@ from .node_layout import NodeLayout
 from .work import Work
 
 __all__ = [
-    "CHUNK_ENV", "CUDA_AWARE_ENV", "Closeable", "FlatBuffer", "NodeLayout", "PIECE_ENV", "ProcessGroup",
-    "ReduceOp", "Work", "abort_on_exception", "agree", "all_gather", "all_gather_v",
-    "all_reduce", "all_reduce_coalesced", "broadcast", "broadcast_coalesced", "capabilities",
-    "check_consistent", "device_for_rank", "gather", "gather_digests",
+    "CHUNK_ENV", "CUDA_AWARE_ENV", "Closeable", "FlatBuffer", "NodeLayout", "PIECE_ENV",
+    "ProcessGroup", "ReduceOp", "Work", "abort_on_exception", "agree", "all_gather",
+    "all_gather_v", "all_reduce", "all_reduce_coalesced", "broadcast", "broadcast_coalesced",
+    "capabilities", "check_consistent", "device_for_rank", "gather", "gather_digests",
     "group_by_dtype_device", "is_cuda_aware", "is_member", "library", "local_rank",
     "quiet_barrier", "reduce", "reduce_scatter", "resolve", "tensor_signature",
 ]
