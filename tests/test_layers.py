@@ -3,6 +3,9 @@
 Every ``import`` and ``from ... import`` of the package's source is read with ``ast`` (at module
 level, inside functions and under ``TYPE_CHECKING`` alike), resolved to the module it names,
 and checked against the order below; a failure names each offending import by file and line.
+Modules loaded by a name computed at run time (``importlib.import_module``) are not seen: the
+package does that only for its own area's modules loaded on first use (optimizers, benchmarks)
+and for an optimizer class named on the command line.
 """
 import ast
 from pathlib import Path
