@@ -1,4 +1,5 @@
-"""torch.distributed over gloo on the MPI ranks: the side-by-side baseline."""
+"""torch.distributed over gloo on the MPI ranks, the side-by-side baseline, and a group of the
+``mpi4py`` backend beside it."""
 from __future__ import annotations
 
 import os
@@ -9,7 +10,7 @@ import torch.distributed as dist
 
 from tensorplay_hpc.comm.mpi import MPI
 
-__all__ = ["init_gloo", "rendezvous", "set_rendezvous"]
+__all__ = ["backend_group", "init_gloo", "rendezvous", "set_rendezvous"]
 
 
 def _reachable_address() -> str:
@@ -52,3 +53,11 @@ def init_gloo(comm: Optional[MPI.Intracomm] = None) -> None:
     comm = MPI.COMM_WORLD if comm is None else comm
     set_rendezvous(comm)
     dist.init_process_group("gloo", rank=comm.Get_rank(), world_size=comm.Get_size())
+
+
+def backend_group(comm: Optional[MPI.Intracomm] = None) -> dist.ProcessGroup:
+    """A torch.distributed group of the ``mpi4py`` backend over every rank, beside gloo's
+    default group (started if it was not), so that one program can run on either. Collective."""
+    import tensorplay_hpc.distributed.backend as backend   # registers the backend
+    init_gloo(comm)
+    return dist.new_group(backend=backend.BACKEND_NAME)

@@ -1,11 +1,13 @@
 """Memory per rank of data-parallel training with Adam: parameters, gradients, optimizer state and
 the library's own buffers, for DDP with a local Adam, PyTorch's ZeroRedundancyOptimizer over
 gloo, and ours as ZeRO-1 (bucket view off and on, overlapped with DDP) and ZeRO-2, on the
-benchmark MLP and on the training job's transformer. Every DDP, ours and PyTorch's, runs with
+benchmark MLP and on the training job's transformer; on the MLP also PyTorch's FSDP2 over the
+``mpi4py`` backend: ZeRO-3 (``fully_shard`` on all ranks) and, from 4 ranks, hybrid sharding
+(HSDP: replicas across nodes, shards within a node; on one node, two halves of the ranks). Every DDP, ours and PyTorch's, runs with
 ``gradient_as_bucket_view=True``, the setting for saving memory (the gradients live in the
 buckets rather than beside them).
 
-Bytes are those of the distinct tensor storages reachable from the model, the optimizer, DDP and
+Bytes are those of the distinct tensor storages (a DTensor's: its local shard's) reachable from the model, the optimizer, DDP and
 its hook after a few training steps, each storage counted once, in the first of these kinds it
 belongs to: parameters, optimizer state, gradients (``.grad``), buffers (everything else: DDP's
 gradient buckets, staging and parameter buffers). PyTorch's DDP keeps its buckets in C++, out of
@@ -25,13 +27,16 @@ from typing import Any, Callable, Dict, Iterable, List, Tuple
 import torch
 from tensorplay_hpc.comm.mpi import MPI
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
+from torch.distributed.tensor import DTensor
 
-from tensorplay_hpc.bench.gloo import init_gloo
+from tensorplay_hpc.bench.backend import fully_sharded
+from tensorplay_hpc.bench.gloo import backend_group, init_gloo
 from tensorplay_hpc.bench.models import mlp
 from tensorplay_hpc.bench.network import bytes_sent
 from tensorplay_hpc.bench.report import Report
 from tensorplay_hpc.bench.timing import compare
 from tensorplay_hpc.comm import trace
+from tensorplay_hpc.comm.node_layout import NodeLayout
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook import (
     hook_with_zero2_step, hook_with_zero_step_interleaved)
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -40,7 +45,7 @@ from tensorplay_hpc.distributed.parallel import DistributedDataParallel
 from tensorplay_hpc.train.data import VOCAB_SIZE
 from tensorplay_hpc.train.model import CharTransformer, next_token_loss
 
-__all__ = ["ADAM", "CASES", "KINDS", "Setup", "run", "storage_bytes"]
+__all__ = ["ADAM", "CASES", "KINDS", "SHARDED_CASES", "Setup", "run", "storage_bytes"]
 
 ADAM = {"lr": 1e-3}
 KINDS = ("parameters", "optimizer state", "gradients", "buffers")
@@ -70,6 +75,8 @@ def _tensors(roots: Iterable[Any]) -> Iterable[torch.Tensor]:
 
 
 def _storage(tensor: torch.Tensor) -> Tuple[int, int]:
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()
     storage = tensor.untyped_storage()
     return storage.data_ptr(), storage.nbytes()
 
@@ -133,10 +140,35 @@ def _overlapped(zero2: bool) -> Setup:
     return setup
 
 
+def _fsdp(module):
+    """ZeRO-3: FSDP2 on a 1-D mesh of every rank, over the mpi4py backend."""
+    model = fully_sharded(backend_group(), module=module)
+    optimizer = torch.optim.Adam(model.parameters(), **ADAM)
+    return model, optimizer, optimizer.step, [model, optimizer]
+
+
+def _hsdp(module):
+    """HSDP: FSDP2 on a 2-D mesh (replicas across nodes, shards within), over the backend."""
+    model = fully_sharded(backend_group(), module=module, replicas=_replicas())
+    optimizer = torch.optim.Adam(model.parameters(), **ADAM)
+    return model, optimizer, optimizer.step, [model, optimizer]
+
+
+def _replicas() -> int:
+    """HSDP's replicas: the nodes when there are several of one size, else two halves."""
+    layout = NodeLayout(MPI.COMM_WORLD)
+    several = len(layout.nodes) > 1 and layout.node_size and layout.contiguous
+    return len(layout.nodes) if several else 2
+
+
 CASES: Dict[str, Setup] = {
     "ddp + adam": _ddp, "torch zero-1 (gloo)": _torch_zero,
     "zero-1, bucket view off": _zero1(False), "zero-1, bucket view on": _zero1(True),
     "zero-1, overlapped": _overlapped(False), "zero-2": _overlapped(True)}
+
+
+SHARDED_CASES: Dict[str, Setup] = {"fsdp (zero-3)": _fsdp, "hsdp": _hsdp}
+"""Cases of the MLP only; ``hsdp`` from 4 ranks."""
 
 
 def _models(rank: int) -> Dict[str, Tuple[Callable[[], torch.nn.Module], Callable]]:
@@ -182,7 +214,11 @@ def run(report: Report) -> None:
     world = MPI.COMM_WORLD
     init_gloo(world)
     for name, (make, loss) in _models(world.rank).items():
-        cases = {case: _measure(make, loss, setup) for case, setup in CASES.items()}
+        chosen = dict(CASES)
+        if name == "mlp":
+            chosen.update((case, setup) for case, setup in SHARDED_CASES.items()
+                          if case != "hsdp" or world.Get_size() >= 4)
+        cases = {case: _measure(make, loss, setup) for case, setup in chosen.items()}
         seconds = compare([c["step"] for c in cases.values()], repeat=report.repeat, warmup=1)
         ddp_bytes, ddp_s = sum(cases["ddp + adam"]["kinds"].values()), seconds[0]
         for (case, c), case_s in zip(cases.items(), seconds):

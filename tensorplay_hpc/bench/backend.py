@@ -1,0 +1,111 @@
+"""The ``mpi4py`` torch.distributed backend: collectives called through torch.distributed on a
+group of the backend against a raw mpi4py call on one numpy array of the same bytes (the limit)
+and against the same torch.distributed call on gloo; then PyTorch's own DistributedDataParallel
+and an FSDP2 (``fully_shard``, ZeRO-3) training step with Adam on the benchmark MLP, over the
+backend against over gloo."""
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from tensorplay_hpc.bench.comm import SIZES, bus_factor
+from tensorplay_hpc.bench.gloo import backend_group
+from tensorplay_hpc.bench.models import mlp
+from tensorplay_hpc.bench.report import Report
+from tensorplay_hpc.bench.timing import compare
+from tensorplay_hpc.comm.mpi import MPI
+
+__all__ = ["BATCH", "fully_sharded", "run"]
+
+BATCH = 32
+
+Case = Tuple[str, Callable[[dist.ProcessGroup], Callable[[], object]], Callable[[], object]]
+
+
+def _collectives(nbytes: int, raw: MPI.Intracomm, size: int) -> List[Case]:
+    """(name, call on a torch.distributed group, raw mpi4py call) per collective."""
+    n = nbytes // 4
+    part = n // size
+    t, mine, whole = torch.ones(n), torch.ones(part), torch.empty(part * size)
+    a, a_mine, a_whole = (np.ones(n, dtype=np.float32), np.ones(part, dtype=np.float32),
+                          np.empty(part * size, dtype=np.float32))
+    counts = [part] * size
+    return [
+        ("allreduce", lambda g: lambda: dist.all_reduce(t, group=g),
+         lambda: raw.Allreduce(MPI.IN_PLACE, a)),
+        ("allgather", lambda g: lambda: dist.all_gather_into_tensor(whole, mine, group=g),
+         lambda: raw.Allgather(a_mine, a_whole)),
+        ("reduce_scatter", lambda g: lambda: dist.reduce_scatter_tensor(mine, whole, group=g),
+         lambda: raw.Reduce_scatter(a_whole, a_mine, counts)),
+        ("broadcast", lambda g: lambda: dist.broadcast(t, 0, group=g),
+         lambda: raw.Bcast(a, 0)),
+    ]
+
+
+def fully_sharded(group: dist.ProcessGroup, module: Optional[torch.nn.Module] = None,
+                  replicas: int = 1) -> torch.nn.Module:
+    """``module`` (default: the benchmark MLP) under FSDP2, each Linear a unit, on a mesh of
+    ``group``'s backend: 1-D over all ranks (ZeRO-3), or with ``replicas`` > 1 2-D, ``replicas``
+    blocks of consecutive ranks holding the shards of one replica (HSDP). Collective over the
+    default group (the 2-D mesh makes groups)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    if replicas == 1:
+        mesh = DeviceMesh.from_group(group, "cpu")
+    else:
+        backend, rank = dist.get_backend(group), dist.get_rank()
+        layout = torch.arange(dist.get_world_size()).view(replicas, -1)
+        shards = [dist.new_group(row.tolist(), backend=backend) for row in layout]
+        copies = [dist.new_group(col.tolist(), backend=backend) for col in layout.t()]
+        row, col = divmod(rank, layout.shape[1])
+        mesh = DeviceMesh.from_group([copies[col], shards[row]], "cpu", mesh=layout,
+                                     mesh_dim_names=(f"{backend} replicas", f"{backend} shards"))
+    model = mlp() if module is None else module
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _training_step(model: torch.nn.Module, x: torch.Tensor,
+                   optimizer: torch.optim.Optimizer = None) -> Callable[[], None]:
+    def step() -> None:
+        model.zero_grad()
+        model(x).square().mean().backward()
+        if optimizer is not None:
+            optimizer.step()
+    return step
+
+
+def run(report: Report) -> None:
+    ours = backend_group()
+    gloo = dist.group.WORLD
+    raw = MPI.COMM_WORLD.Dup()
+    size = raw.Get_size()
+    for nbytes in SIZES:
+        for case, call, limit in _collectives(nbytes, raw, size):
+            ours_s, raw_s, gloo_s = compare([call(ours), limit, call(gloo)], report.repeat)
+            busbw = bus_factor(case, size) * nbytes / ours_s / 1e9
+            for baseline, seconds in (("mpi4py-raw", raw_s), ("torch-gloo", gloo_s)):
+                report.add("backend", case, ours_s, baseline, seconds, nbytes=nbytes,
+                           busbw_GBps=round(busbw, 3))
+
+    x = torch.randn(BATCH, 1024, generator=torch.Generator().manual_seed(raw.Get_rank()))
+    steps = []
+    for group in (ours, gloo):
+        ddp = torch.nn.parallel.DistributedDataParallel(mlp(), process_group=group)
+        steps.append(_training_step(ddp, x))
+    ours_s, gloo_s = compare(steps, report.repeat)
+    report.add("backend", "torch DDP step (mlp, no optimizer)", ours_s, "torch-gloo", gloo_s)
+
+    steps = []
+    for group in (ours, gloo):
+        model = fully_sharded(group)
+        steps.append(_training_step(model, x, torch.optim.Adam(model.parameters(), lr=1e-3)))
+    ours_s, gloo_s = compare(steps, report.repeat)
+    report.add("backend", "FSDP2 step (mlp, zero-3, adam)", ours_s, "torch-gloo", gloo_s)
+    raw.Free()
+    dist.destroy_process_group(ours)
