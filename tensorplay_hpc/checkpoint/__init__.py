@@ -14,7 +14,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from tensorplay_hpc.comm import ProcessGroup, resolve
+from tensorplay_hpc.comm import ProcessGroup, resolve, trace
 from tensorplay_hpc.comm.agreement import fail_together
 from tensorplay_hpc.comm.mpi import MPI
 
@@ -31,6 +31,7 @@ __all__ = ["AsyncCheckpointer", "CheckpointError", "Reader", "SaveHandle", "chec
 
 
 @collector.paused()
+@trace.caller(same_call.SAVE)
 def save(path: str, model: Optional[torch.nn.Module] = None,
          optimizer: Optional[Checkpointable] = None, extra: Optional[Dict[str, Any]] = None,
          process_group: Optional[MPI.Intracomm] = None, keep: Optional[int] = None,
@@ -121,6 +122,7 @@ def close_async(process_group: Optional[MPI.Intracomm] = None) -> None:
 
 
 @collector.paused()
+@trace.caller(same_call.LOAD)
 def load(path: str, model: Optional[torch.nn.Module] = None,
          optimizer: Optional[Checkpointable] = None,
          process_group: Optional[MPI.Intracomm] = None,

@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from tensorplay_hpc.comm import Closeable, ProcessGroup
+from tensorplay_hpc.comm import Closeable, ProcessGroup, trace
 from tensorplay_hpc.comm.capabilities import ranks_below_multiple
 from tensorplay_hpc.comm.mpi import MPI
 
@@ -136,6 +136,7 @@ class AsyncCheckpointer(Closeable):
         self._pending: Optional[SaveHandle] = None
 
     @collector.paused()
+    @trace.caller("checkpoint.save_async")
     def save(self, path: str, model: Optional[torch.nn.Module] = None,
              optimizer: Optional[Checkpointable] = None, extra: Optional[Dict[str, Any]] = None,
              keep: Optional[int] = None,
