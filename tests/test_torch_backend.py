@@ -338,6 +338,17 @@ def test_distributed_checkpoint_round_trip_and_another_world_size(groups, folder
     dcp.load(fresh_state, checkpoint_id=path, process_group=ours)
     for key, value in fresh_state.items():
         assert torch.equal(value.full_tensor(), expected[key]), key
+    # half the ranks (one when alone), into a model sharded over them
+    members = list(range(max(1, SIZE // 2)))
+    half = dist.new_group(members, backend=BACKEND_NAME)
+    if RANK in members:
+        smaller = _fully_sharded(DeviceMesh.from_group(half, "cpu"))
+        smaller_state = get_model_state_dict(smaller)
+        dcp.load(smaller_state, checkpoint_id=path, process_group=half)
+        for key, value in smaller_state.items():
+            assert value.to_local().numel() < value.numel() or len(members) == 1
+            assert torch.equal(value.full_tensor(), expected[key]), key
+        dist.destroy_process_group(half)
     # one rank alone, into a plain unsharded model
     plain = {k: torch.zeros_like(v) for k, v in expected.items()}
     dcp.load(plain, checkpoint_id=path, no_dist=True)
