@@ -3,6 +3,8 @@ distributed checkpoints and ZeroRedundancyOptimizer on a group of the backend, a
 same program over gloo (the default group) in the same run."""
 import copy
 import os
+import re
+import time
 
 import pytest
 import torch
@@ -400,3 +402,15 @@ def test_init_process_group_refuses_a_world_size_mpi_did_not_start():
     run = mpiexec(2, [JOB, "wrong_world_size"], timeout=120)
     assert run.returncode != 0
     assert "world_size=99 but MPI says 2" in run.stderr
+
+
+@only_in_single_rank_run
+def test_watchdog_names_the_rank_missing_from_a_backend_collective():
+    run = mpiexec(2, [JOB, "one_rank_all_reduce"], timeout=120,
+                  env=dict(os.environ, TENSORPLAY_HPC_COLLECTIVE_TIMEOUT="5"))
+    ended = time.time()
+    assert run.returncode != 0 and "not reached" not in run.stdout, run.stdout + run.stderr
+    assert "collective timeout: all_reduce" in run.stderr
+    assert "ranks not arrived: [1]." in run.stderr, run.stderr
+    called = float(re.search(r"calling at ([0-9.]+)", run.stdout).group(1))
+    assert ended - called < 15

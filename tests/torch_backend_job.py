@@ -5,6 +5,7 @@ gloo, and FSDP2 on a mesh of the default group against a local Adam; rank 0 prin
 import copy
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -85,5 +86,18 @@ def wrong_world_size() -> None:
     dist.init_process_group("mpi4py", rank=0, world_size=99)
 
 
+def one_rank_all_reduce() -> None:
+    """Rank 0 alone calls ``dist.all_reduce``; the others wait in a barrier of their own."""
+    dist.init_process_group("mpi4py")
+    from mpi4py import MPI
+    if dist.get_rank() == 0:
+        print(f"calling at {time.time()}", flush=True)
+        dist.all_reduce(torch.ones(4))
+    else:
+        MPI.COMM_WORLD.Barrier()
+    print("not reached", flush=True)
+
+
 if __name__ == "__main__":
-    {"main": main, "wrong_world_size": wrong_world_size}[sys.argv[1]]()
+    {"main": main, "wrong_world_size": wrong_world_size,
+     "one_rank_all_reduce": one_rank_all_reduce}[sys.argv[1]]()
