@@ -85,11 +85,12 @@ class MPIProcessGroup(_C10dProcessGroup):
     # --- helpers --------------------------------------------------------------------------
 
     def _reduction(self, op: dist.ReduceOp, what: str) -> ReduceOp:
-        try:   # c10d passes a ReduceOp object holding the RedOpType enum the table is keyed by
-            return _REDUCTIONS[getattr(op, "op", op)]
+        kind = getattr(op, "op", op)   # c10d passes a ReduceOp holding its RedOpType
+        try:
+            return _REDUCTIONS[kind]
         except (KeyError, TypeError):
             raise UnsupportedOperation(
-                f"{what}: the {BACKEND_NAME} backend has no {getattr(op, 'op', op)} reduction (it offers SUM, "
+                f"{what}: the {BACKEND_NAME} backend has no {kind} reduction (it offers SUM, "
                 f"AVG, PRODUCT, MIN and MAX; rank {self.rank()})") from None
 
     def _issue(self, outputs: List[torch.Tensor], asynchronous: bool,
