@@ -263,11 +263,12 @@ _UNWATCHED = nullcontext()
 def watched(operation: str, comm: MPI.Intracomm,
             within: ContextManager = _UNWATCHED, counted: bool = True) -> ContextManager:
     """A context in which to run a blocking collective on ``comm`` under the watchdog, entering
-    ``within`` (the collective's trace entry) inside it; while the watchdog is off,
-    ``within`` itself, so that an unwatched collective pays for one context only.
+    ``within`` (the collective's trace entry) inside it; until the watchdog has started (the
+    first process group made while it is enabled), ``within`` itself, so that an unwatched
+    collective pays for one context only.
     ``counted=False``: not every rank of ``comm`` takes part (``Create_group``), so the call is
     not counted, and only aborted on time."""
-    if not _counters:
+    if _thread is None:
         return within
     counter = _counters.get(comm.handle) if counted else None
     if counter is None and counted:

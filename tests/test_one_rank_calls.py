@@ -1,0 +1,75 @@
+"""A collective entry point called on one rank only (the others gone on to a barrier of their
+own) ends the job through the watchdog, with a report naming the ranks that did not arrive,
+instead of hanging: ZeroRedundancyOptimizer, DistributedDataParallel, an averager, rma.share,
+checkpoints and the trace. The entry points that are not collective return on that rank.
+
+Each case is a job of its own (``one_rank_call_job.py``); the jobs run a few at a time."""
+import os
+import re
+import signal
+import subprocess
+import time
+from typing import Dict, List, Optional, Tuple
+
+import pytest
+
+from launch import clean_env, mpiexec_command, only_in_single_rank_run
+from one_rank_call_job import COLLECTIVE, LOCAL, caller
+
+JOB = os.path.join(os.path.dirname(__file__), "one_rank_call_job.py")
+TIMEOUT_S = 5
+"""The watchdog's limit in these jobs."""
+WITHIN_S = 15
+"""How soon after the call a job must have ended."""
+AT_ONCE = 4
+"""Jobs running at the same time."""
+
+
+def _run_all(cases: List[str], ranks: int, folder, nodes=None) -> Dict[str, Tuple[str, str, int,
+                                                                                 float]]:
+    """``case -> (stdout, stderr, return code, seconds from the call to the job's end)``."""
+    env = clean_env(TENSORPLAY_HPC_COLLECTIVE_TIMEOUT=str(TIMEOUT_S))
+    waiting, running, results = list(cases), {}, {}
+    while waiting or running:
+        while waiting and len(running) < AT_ONCE:
+            case = waiting.pop(0)
+            os.makedirs(folder / case)
+            running[case] = subprocess.Popen(
+                mpiexec_command(ranks, [JOB, case, str(folder / case)], nodes), env=env,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                start_new_session=True)
+        case, job = next(iter(running.items()))
+        try:
+            out, err = job.communicate(timeout=120)
+        except subprocess.TimeoutExpired:   # a hang: end the launcher and its ranks
+            os.killpg(job.pid, signal.SIGKILL)
+            out, err = job.communicate()
+        ended = time.time()
+        del running[case]
+        called = re.search(r"calling at ([0-9.]+)", out)
+        results[case] = (out, err, job.returncode,
+                         ended - float(called.group(1)) if called else float("inf"))
+    return results
+
+
+def _check(results, ranks: int) -> None:
+    problems = []
+    for case in COLLECTIVE:
+        late = [rank for rank in range(ranks) if rank != caller(case, ranks)]
+        out, err, code, seconds = results[case]
+        report = re.search(r"collective timeout: .*?; ranks not arrived: (\[[0-9, ]*\])", err)
+        if (code == 0 or "returned" in out or report is None or report.group(1) != str(late)
+                or not TIMEOUT_S <= seconds < WITHIN_S):
+            problems.append(f"{case}: return code {code}, {seconds:.1f} s after the call, "
+                            f"report {report.group(0) if report else None!r}\n{out}{err[-3000:]}")
+    for case in LOCAL:
+        out, err, code, seconds = results[case]
+        if code != 0 or "returned" not in out:
+            problems.append(f"{case}: return code {code}\n{out}{err[-3000:]}")
+    assert not problems, "\n\n".join(problems)
+
+
+@only_in_single_rank_run
+@pytest.mark.timeout(600)
+def test_one_rank_calls_end_the_job_naming_the_missing_rank(tmp_path):
+    _check(_run_all(list(COLLECTIVE + LOCAL), 2, tmp_path), 2)
