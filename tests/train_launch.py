@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import csv
 import os
+import signal
+import subprocess
 from pathlib import Path
 from typing import List, Optional
 
-from launch import mpiexec_prefix
+from launch import clean_env, mpiexec_prefix
+from tensorplay_hpc.train.preemption import EXIT_PREEMPTED
 from simulated_nodes import SimulatedNodes
 
 TINY = ["--layers", "1", "--width", "32", "--heads", "2", "--context", "16", "--batch-size", "8",
@@ -40,3 +43,30 @@ def restarts(run_dir: Path) -> List[int]:
     """The steps of metrics.csv marked as the first after a restart."""
     with open(run_dir / "metrics.csv", newline="") as f:
         return [int(row["step"]) for row in csv.DictReader(f) if row["restart"] == "1"]
+
+
+def run_program(cwd: Path, ranks: int, run_dir: Path, *options: str) -> subprocess.CompletedProcess:
+    """Run the program with ``options`` on ``ranks`` ranks to its end; it must succeed."""
+    result = subprocess.run(train_command(ranks, *options, "--run-dir", str(run_dir)), cwd=cwd,
+                            env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def preempt_program(cwd: Path, ranks: int, run_dir: Path, step: int, *options: str) -> str:
+    """Run the program, send SIGUSR1 to mpiexec (which forwards it to every rank) once the
+    checkpoint of ``step`` is written; return its output. It must stop with a checkpoint."""
+    job = subprocess.Popen(train_command(ranks, *options, "--run-dir", str(run_dir)), cwd=cwd,
+                           env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)
+    seen = []
+    for line in job.stdout:
+        seen.append(line)
+        if f"checkpoint at step {step} " in line:
+            job.send_signal(signal.SIGUSR1)
+            break
+    seen.extend(job.stdout)
+    output = "".join(seen)
+    assert job.wait(timeout=300) == EXIT_PREEMPTED, output
+    assert "SIGUSR1: stopping at step" in output and "(preempted)" in output
+    return output

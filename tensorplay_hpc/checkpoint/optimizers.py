@@ -263,6 +263,9 @@ def adapter_for(optimizer: Checkpointable) -> OptimizerAdapter:
     if isinstance(optimizer, PostLocalSGDOptimizer):
         return PostLocalSGDAdapter(optimizer)
     if isinstance(optimizer, torch.optim.Optimizer):
+        from .sharded_tensors import ShardedTensorAdapter, holds_sharded
+        if holds_sharded(optimizer):
+            return ShardedTensorAdapter(optimizer)
         return OptimizerAdapter(optimizer)
     raise TypeError(f"cannot checkpoint an optimizer of type {type(optimizer).__name__}: "
                     "expected a torch.optim.Optimizer or one of tensorplay_hpc's optimizers")

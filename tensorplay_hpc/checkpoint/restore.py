@@ -22,6 +22,7 @@ from .optimizers import Checkpointable, adapter_for
 from .reader import Reader
 from .replicas import Replicas
 from .shared_reads import read_shared
+from .sharded_tensors import load_model
 
 __all__ = ["Plan", "check_model", "combine", "load_into", "prefixes", "saved_replicas",
            "state_prefix"]
@@ -183,8 +184,8 @@ def load_into(reader: Reader, comm: MPI.Intracomm, replicas: Replicas,
 
     with fail_together(comm, what, fmt.CheckpointError):
         if model is not None:
-            model.load_state_dict({k: combine([shared[fmt.model_name(k, p)] for p in plan.sources])
-                                   for k in plan.model_keys})
+            load_model(model, {k: combine([shared[fmt.model_name(k, p)] for p in plan.sources])
+                               for k in plan.model_keys})
         if optimizer is not None:
             state: Dict[int, Dict[str, Any]] = {}
             for index, keys in plan.shared_state.items():

@@ -24,6 +24,7 @@ from tensorplay_hpc.comm.small_collectives import all_gather_object
 
 from . import format as fmt
 from .optimizers import Checkpointable, adapter_for
+from .sharded_tensors import is_sharded
 
 __all__ = ["Entry", "LOAD", "SAVE", "check_call", "check_replicated", "check_save"]
 
@@ -78,7 +79,7 @@ def _fingerprint(model: Optional[torch.nn.Module], optimizer: Optional[Checkpoin
     model = fmt.unwrap_model(model)
     if model is not None:
         entries += [(f"model entry {key!r}", tensor)
-                    for key, tensor in model.state_dict().items()]
+                    for key, tensor in model.state_dict().items() if not is_sharded(tensor)]
     if optimizer is not None:
         adapter = adapter_for(optimizer)
         if adapter.replicated:

@@ -13,7 +13,7 @@ from tensorplay_hpc.comm.agreement import fail_together
 from tensorplay_hpc.comm.mpi import MPI
 
 from . import format as fmt
-from . import values
+from . import sharded_tensors, values
 from .optimizers import Checkpointable, adapter_for, assign_writers
 from .replicas import Replicas
 
@@ -56,11 +56,12 @@ def _share(sizes: Sequence[int], writers: Sequence[int]) -> List[int]:
 def add_model(snap: Snapshot, entries: Dict[str, torch.Tensor], rank: int,
               writers: Sequence[int], class_name: str, prefix: str = "") -> None:
     """Model entries are replicated: the ranks of ``writers`` (those holding this copy) split
-    the writing by bytes."""
+    the writing by bytes. DTensor entries (a sharded model) are gathered whole for their writer,
+    one at a time: collective over their meshes."""
     items = list(entries.items())
     owners = _share([t.numel() * t.element_size() for _, t in items], writers)
-    snap.datasets += [(fmt.model_name(k, prefix), t) for (k, t), w in zip(items, owners)
-                      if w == rank]
+    snap.datasets += [(fmt.model_name(k, prefix), t)
+                      for k, t in sharded_tensors.writers_share(items, owners, rank)]
     if rank == 0:
         snap.set("model", **{"class": class_name, "entries": len(items)})
 

@@ -32,7 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what = parser.add_argument_group("training")
     option(what, "--optimizer", "zero: DDP + ZeroRedundancyOptimizer; postlocal: post-local SGD "
            "with periodic model averaging; ddp: DDP + a plain optimizer; local: a plain "
-           "optimizer, gradients averaged by one allreduce", choices=OPTIMIZERS)
+           "optimizer, gradients averaged by one allreduce; fsdp: PyTorch's FSDP2 over MPI "
+           "(ZeRO-3); hsdp: FSDP2 sharded within each node, replicated across nodes",
+           choices=OPTIMIZERS)
     option(what, "--inner", "the torch.optim optimizer inside", choices=INNER_OPTIMIZERS)
     option(what, "--lr", "learning rate", type=float)
     option(what, "--batch-size", "sequences per step over all ranks, a multiple of the number "

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional
 
 __all__ = ["COMM_HOOKS", "DEVICES", "INNER_OPTIMIZERS", "OPTIMIZERS", "TrainConfig", "UsageError"]
 
-OPTIMIZERS = ("zero", "postlocal", "ddp", "local")
+OPTIMIZERS = ("zero", "postlocal", "ddp", "local", "fsdp", "hsdp")
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd", "hierarchical")
 INNER_OPTIMIZERS = ("sgd", "adam", "adamw")
 DEVICES = ("cpu", "cuda")

@@ -7,6 +7,11 @@
   PeriodicModelAverager (parameters averaged every ``average_period`` steps).
 - ``ddp``: DistributedDataParallel and a plain optimizer.
 - ``local``: a plain model and optimizer; gradients averaged by one coalesced allreduce.
+- ``fsdp``: PyTorch's FSDP2 (``fully_shard``, each block and the whole model) on a 1-D mesh of
+  every rank over our ``mpi4py`` torch.distributed backend (ZeRO-3: parameters, gradients and
+  optimizer state sharded), and a plain optimizer over the sharded parameters.
+- ``hsdp``: the same on a 2-D (replicate, shard) mesh: a replica per node, sharded within it
+  (see :mod:`.mesh`).
 
 ``--comm-hook`` gives the DistributedDataParallel of ``zero`` and ``ddp`` another way to average
 gradients: 16-bit compression, PowerSGD (its error feedback and factors travel in checkpoints,
@@ -36,6 +41,7 @@ from tensorplay_hpc.distributed.optim import PostLocalSGDOptimizer, ZeroRedundan
 from tensorplay_hpc.distributed.parallel import DistributedDataParallel
 
 from .config import TrainConfig
+from .mesh import TorchDistributed
 
 __all__ = ["INNER", "POWER_SGD_PREFIX", "Strategy", "build", "inner_defaults"]
 
@@ -53,7 +59,8 @@ class Strategy:
     """A model to run forward and backward on, the optimizer to step, and what to do between.
 
     Attributes:
-        module: the plain model (what checkpoints hold).
+        module: the plain model (what checkpoints hold; its parameters are DTensors for
+            ``fsdp`` and ``hsdp``).
         model: what the training step calls (``module`` or its DistributedDataParallel wrapper).
         optimizer: the optimizer to step (collective for every kind but a plain one).
         after_backward: runs after ``backward()`` (the ``local`` kind averages gradients here).
@@ -126,10 +133,27 @@ def _register_comm_hook(model: DistributedDataParallel, config: TrainConfig,
     return None
 
 
+def _fully_sharded(module: nn.Module, config: TrainConfig, group: comm.ProcessGroup) -> Strategy:
+    """``fsdp`` and ``hsdp``: FSDP2 on the mesh of :class:`TorchDistributed`, which the
+    strategy owns (it ends torch.distributed when closed). Collective over every rank."""
+    from torch.distributed.fsdp import fully_shard
+    device_type = next(module.parameters()).device.type
+    torch_distributed = TorchDistributed(config.optimizer, device_type)
+    if group.rank == 0:
+        print(torch_distributed.description, flush=True)
+    for block in module.blocks:
+        fully_shard(block, mesh=torch_distributed.mesh)
+    fully_shard(module, mesh=torch_distributed.mesh)
+    optimizer = INNER[config.inner](module.parameters(), **inner_defaults(config))
+    return Strategy(module, module, optimizer, _gradients_already_averaged, [torch_distributed])
+
+
 def build(module: nn.Module, config: TrainConfig, group: comm.ProcessGroup) -> Strategy:
     """Wrap ``module`` and make the optimizer for ``config.optimizer``. Collective over
     ``group``."""
     inner, defaults = INNER[config.inner], inner_defaults(config)
+    if config.optimizer in ("fsdp", "hsdp"):
+        return _fully_sharded(module, config, group)
     if config.optimizer == "local":
         comm.broadcast_coalesced([p.detach() for p in module.parameters()], group.comm, root=0)
         params = [p for p in module.parameters() if p.requires_grad]

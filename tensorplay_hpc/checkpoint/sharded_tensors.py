@@ -1,0 +1,130 @@
+"""Checkpoints of models and optimizers whose tensors are DTensors sharded over a device mesh,
+as PyTorch's FSDP2 (``fully_shard``) leaves them.
+
+The file holds every tensor at its full shape, as for an unsharded model and a plain
+``torch.optim`` optimizer, so it loads at any world size, sharded or not. Saving gathers one
+tensor at a time over its mesh and keeps it only on the rank chosen to write it (the writers
+share the bytes as for a replicated model), so no rank holds more than its share of the full
+tensors plus the one being gathered. Loading copies into each rank's DTensors the rows of its
+own shard.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .optimizers import OptimizerAdapter, State
+
+try:
+    from torch.distributed.tensor import DTensor, Shard
+except ImportError:    # a PyTorch built without distributed support has no DTensors
+    DTensor = Shard = None
+
+__all__ = ["ShardedTensorAdapter", "holds_sharded", "is_sharded", "load_model", "local_part",
+           "writers_share"]
+
+
+def is_sharded(tensor: Any) -> bool:
+    """Whether ``tensor`` is a DTensor (its values spread over a device mesh)."""
+    return DTensor is not None and isinstance(tensor, DTensor)
+
+
+def holds_sharded(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether any parameter of ``optimizer`` is a DTensor."""
+    return any(is_sharded(p) for group in optimizer.param_groups for p in group["params"])
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole value of a DTensor (collective over its mesh); other tensors as they are."""
+    return tensor.detach().full_tensor() if is_sharded(tensor) else tensor
+
+
+def writers_share(entries: Sequence[Tuple[str, torch.Tensor]], writers: Sequence[int],
+                  rank: int) -> List[Tuple[str, torch.Tensor]]:
+    """The entries that ``rank`` writes (``writers[i]`` writes entry ``i``), DTensors gathered
+    whole. Collective over the DTensors' meshes when ``entries`` holds any: every rank gathers
+    each of them in turn and keeps only its own."""
+    mine = []
+    for (name, tensor), writer in zip(entries, writers):
+        value = _full(tensor)
+        if writer == rank:
+            mine.append((name, value))
+    return mine
+
+
+def local_part(full: torch.Tensor, like: "DTensor") -> torch.Tensor:
+    """The part of ``full`` (a whole value) that this rank holds of a DTensor laid out as
+    ``like``: on each mesh dimension that shards tensor dimension ``d`` into ``n`` pieces, the
+    rows of piece ``i`` (this rank's coordinate), split as ``torch.chunk`` splits (pieces of
+    ``ceil(size / n)`` rows, the last ones shorter or empty). Local."""
+    if tuple(full.shape) != tuple(like.shape):
+        raise ValueError(f"a value of shape {tuple(full.shape)} for a sharded tensor of shape "
+                         f"{tuple(like.shape)}")
+    mesh, part = like.device_mesh, full
+    coordinate = mesh.get_coordinate()
+    for mesh_dim, placement in enumerate(like.placements):
+        if isinstance(placement, Shard):
+            dim, pieces = placement.dim, mesh.size(mesh_dim)
+            rows = -(-part.size(dim) // pieces)
+            start = min(coordinate[mesh_dim] * rows, part.size(dim))
+            part = part.narrow(dim, start, min(rows, part.size(dim) - start))
+    return part
+
+
+def load_model(model: nn.Module, values: Dict[str, torch.Tensor]) -> None:
+    """Load whole ``values`` (by state_dict name) into ``model``: a plain ``load_state_dict``
+    unless the model holds DTensors, whose own rows are then copied in. Local."""
+    own = model.state_dict()
+    if not any(is_sharded(t) for t in own.values()):
+        model.load_state_dict(values)
+        return
+    with torch.no_grad():
+        for name, value in values.items():
+            target = own[name]
+            if is_sharded(target):
+                target.to_local().copy_(local_part(value, target))
+            else:
+                target.copy_(value)
+
+
+class ShardedTensorAdapter(OptimizerAdapter):
+    """A ``torch.optim`` optimizer over DTensor parameters (FSDP2's): its state, sharded as
+    the parameters are, is saved whole in PyTorch's consolidated structure (loadable into a
+    plain optimizer) and read back whole, each rank keeping its own rows."""
+
+    replicated = False
+
+    def state_to_write(self, rank: int, writers: Sequence[int]) -> State:
+        """This rank's share of the whole state. Collective over the parameters' meshes."""
+        mine = set(super().state_to_write(rank, writers))
+        state = self.optimizer.state_dict()["state"]
+        written: State = {}
+        for index in sorted(state):
+            entry = {key: _full(value) if isinstance(value, torch.Tensor) else value
+                     for key, value in state[index].items()}
+            if index in mine:
+                written[index] = entry
+        return written
+
+    def load(self, state: State, param_groups: List[Dict[str, Any]], attributes: Dict[str, Any],
+             tensors: Dict[str, torch.Tensor]) -> None:
+        """Load whole ``state``, each DTensor parameter's entries cut to this rank's rows."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        local: State = {}
+        for index, entry in state.items():
+            param: Optional[torch.Tensor] = params[index] if index < len(params) else None
+            local[index] = {key: self._sharded_like(value, param) for key, value in entry.items()}
+        super().load(local, param_groups, attributes, tensors)
+
+    @staticmethod
+    def _sharded_like(value: Any, param: Optional[torch.Tensor]) -> Any:
+        """``value`` as a DTensor laid out as ``param`` when it is a whole value of its shape
+        (Adam's moments); as it is otherwise (step counters, plain parameters)."""
+        if not (is_sharded(param) and isinstance(value, torch.Tensor)
+                and tuple(value.shape) == tuple(param.shape)):
+            return value
+        return DTensor.from_local(local_part(value, param).to(param.dtype).clone(),
+                                  param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
