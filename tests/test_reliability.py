@@ -37,8 +37,8 @@ def test_quiet_agreement_waits_for_the_last_rank_and_shares_its_error(group):
     world, last = group.comm, group.size - 1
     for agreement in (False, True):
         world.Barrier()
-        started = time.perf_counter()
         time.sleep(0.05 * group.rank)
+        arrived = time.time()     # one clock for all ranks: simulated nodes share the machine
         if agreement:
             error = ValueError("disk full") if group.rank == last else None
             with pytest.raises(RuntimeError) as raised:
@@ -47,7 +47,8 @@ def test_quiet_agreement_waits_for_the_last_rank_and_shares_its_error(group):
                                          f"rank {last}: ValueError: disk full")
         else:
             comm.quiet_barrier(world)
-        assert time.perf_counter() - started >= 0.05 * last
+        left = time.time()
+        assert left >= world.bcast(arrived, root=last)
     comm.agree(world, None, "saving", quiet=True)     # nothing failed: returns on every rank
 
 

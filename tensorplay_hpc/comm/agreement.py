@@ -44,7 +44,8 @@ def agree(comm: MPI.Intracomm, error: Optional[BaseException], what: str,
 def fail_together(comm: MPI.Intracomm, what: str, exc_type: Type[Exception] = RuntimeError, *,
                   catch: Catch = Exception, quiet: bool = False,
                   items: Optional[Sequence[Item]] = None,
-                  valid_items: Optional[Callable[[], Sequence[Item]]] = None) -> Iterator[None]:
+                  valid_items: Optional[Callable[[], Sequence[Item]]] = None,
+                  own_errors: bool = False) -> Iterator[None]:
     """Run the ``with`` block on this rank, then have every rank of ``comm`` end it alike.
     Collective at the end of the block; an exception that is not a ``catch`` passes through
     at once, on this rank only (use :func:`~.abort.abort_on_exception` for those).
@@ -58,6 +59,9 @@ def fail_together(comm: MPI.Intracomm, what: str, exc_type: Type[Exception] = Ru
     items or in the outcome (an error on some ranks only, or different errors), is a
     ``ValueError`` on every rank naming the ranks and the first item that differs; an error
     alike on every rank is raised again as it was, so callers keep PyTorch's error types.
+    ``own_errors``: where the block raised on every rank, each rank raises its own error, even
+    where they differ (for arguments meant to differ by rank, such as ``device_ids=[rank]``;
+    one allreduce of a flag more).
     """
     error: Optional[BaseException] = None
     try:
@@ -67,6 +71,10 @@ def fail_together(comm: MPI.Intracomm, what: str, exc_type: Type[Exception] = Ru
     if items is None and valid_items is None:
         agree(comm, error, what, exc_type, quiet)
         return
+    if own_errors:
+        failed = all_reduce_array(np.array([error is not None], dtype=np.int32), comm, MPI.MIN)
+        if failed[0]:
+            raise error
     outcome = "ok" if error is None else f"{type(error).__name__}: {error}"
     after = valid_items() if error is None and valid_items is not None else ()
     check_consistent(comm, what, [*(items or ()), ("outcome", outcome), *after])

@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_map
 
 from tensorplay_hpc import comm
 from tensorplay_hpc.comm import trace
+from tensorplay_hpc.comm.agreement import fail_together
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.grad_bucket import GradBucket
 from tensorplay_hpc.distributed.algorithms.join import Join, Joinable, JoinHook
 
@@ -118,35 +119,31 @@ class DistributedDataParallel(torch.nn.Module, Joinable, comm.Closeable):
         super().__init__()
         Joinable.__init__(self)
         self.process_group = comm.resolve(process_group)
-        error = settings = None
-        try:
-            settings = check_arguments(
-                module, device_ids, output_device, dim, broadcast_buffers, init_sync,
-                process_group, bucket_cap_mb, find_unused_parameters, check_reduction,
-                gradient_as_bucket_view, static_graph, delay_all_reduce_named_params,
-                param_to_hook_all_reduce, mixed_precision, device_mesh,
-                skip_all_reduce_unused_params, bucket_cap_mb_list, batched_grad_copy,
-                forward_sync_buffers)
-        except (TypeError, ValueError, RuntimeError, NotImplementedError) as failure:
-            error = failure
         self._group = comm.ProcessGroup(self.process_group, owner="DistributedDataParallel")
-        if self._every_rank_failed(error is not None):
-            # Each rank raises its own error, as PyTorch's DDP does: an argument such as
-            # device_ids=[rank] is meant to differ by rank, and so do the messages.
-            self._group.close()
-            raise error
-        outcome = "ok" if error is None else f"{type(error).__name__}: {error}"
-        comm.check_consistent(self._group.comm, "DistributedDataParallel: the arguments", [
-            ("outcome", outcome),
-            ("bucket_cap_mb", None if settings is None else settings.bucket_cap_mb),
-            ("find_unused_parameters", find_unused_parameters),
-            ("broadcast_buffers", None if settings is None else settings.forward_sync_buffers),
-            ("gradient_as_bucket_view", gradient_as_bucket_view),
-            ("static_graph", static_graph),
-            ("init_sync", init_sync)])
-        if error is not None:
-            self._group.close()
-            raise error
+        settings = None
+        try:
+            # Where every rank refuses the arguments, each raises its own error, as PyTorch's
+            # DDP does: an argument such as device_ids=[rank] is meant to differ by rank.
+            with fail_together(
+                    self._group.comm, "DistributedDataParallel: the arguments",
+                    catch=(TypeError, ValueError, RuntimeError, NotImplementedError),
+                    own_errors=True, valid_items=lambda: [
+                        ("bucket_cap_mb", settings.bucket_cap_mb),
+                        ("find_unused_parameters", find_unused_parameters),
+                        ("broadcast_buffers", settings.forward_sync_buffers),
+                        ("gradient_as_bucket_view", gradient_as_bucket_view),
+                        ("static_graph", static_graph),
+                        ("init_sync", init_sync)]):
+                settings = check_arguments(
+                    module, device_ids, output_device, dim, broadcast_buffers, init_sync,
+                    process_group, bucket_cap_mb, find_unused_parameters, check_reduction,
+                    gradient_as_bucket_view, static_graph, delay_all_reduce_named_params,
+                    param_to_hook_all_reduce, mixed_precision, device_mesh,
+                    skip_all_reduce_unused_params, bucket_cap_mb_list, batched_grad_copy,
+                    forward_sync_buffers)
+        except Exception:
+            self._group.close()   # every rank raises: free the duplicate now
+            raise
         self.module = module
         named_params = list(module.named_parameters())
         named_buffers = list(module.named_buffers())
@@ -238,12 +235,6 @@ class DistributedDataParallel(torch.nn.Module, Joinable, comm.Closeable):
         if training:
             self.reducer.prepare(sync, output, divisor)
         return output
-
-    def _every_rank_failed(self, failed: bool) -> bool:
-        """Whether ``failed`` holds on every rank. Collective: one allreduce of one number."""
-        flag = torch.tensor([1 if failed else 0], dtype=torch.int64)
-        comm.all_reduce(flag, self._group.comm, comm.ReduceOp.MIN)
-        return bool(flag.item())
 
     def _count_syncing(self, sync: bool) -> int:
         """How many ranks synchronize gradients in this iteration (ranks that have joined
