@@ -12,6 +12,7 @@ from mpi4py import MPI
 from launch import mpiexec, only_in_single_rank_run
 from tensorplay_hpc import comm
 from tensorplay_hpc.comm import watchdog
+from tensorplay_hpc.comm.agreement import fail_together
 from tensorplay_hpc.comm.consistency import DEBUG_ENV, check_consistent, tensor_signature
 
 JOB = os.path.join(os.path.dirname(__file__), "fault_job.py")
@@ -50,6 +51,42 @@ def test_quiet_agreement_waits_for_the_last_rank_and_shares_its_error(group):
         left = time.time()
         assert left >= world.bcast(arrived, root=last)
     comm.agree(world, None, "saving", quiet=True)     # nothing failed: returns on every rank
+
+
+@pytest.mark.mpi(min_size=2)
+def test_fail_together_raises_one_rank_s_failure_on_every_rank(group):
+    last = group.size - 1
+    with pytest.raises(KeyError) as raised:
+        with fail_together(group.comm, "writing", KeyError):
+            if group.rank == last:
+                raise ValueError("disk full")
+    assert raised.value.args == (f"writing failed on 1 of {group.size} ranks: rank {last}: "
+                                 "ValueError: disk full",)
+    assert isinstance(raised.value.__cause__, ValueError) == (group.rank == last)
+    done = []
+    with fail_together(group.comm, "writing"):
+        done.append(group.rank)
+    assert done == [group.rank]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_fail_together_comparing_outcomes_and_items(group):
+    last = group.size - 1
+    with pytest.raises(TypeError, match="^bad type$"):     # alike everywhere: raised as it was
+        with fail_together(group.comm, "loading", items=[("n", 1)]):
+            raise TypeError("bad type")
+    with pytest.raises(ValueError, match=rf"^loading: ranks \[{last}\] differ from rank 0 .*"
+                                         r"rank 0 has \('outcome', 'ok'\), rank "):
+        with fail_together(group.comm, "loading", valid_items=lambda: [("n", 1)]):
+            if group.rank == last:
+                raise TypeError("bad type")
+    with pytest.raises(ValueError, match=rf"ranks \[{last}\] differ .* rank 0 has \('n', 1\)"):
+        with fail_together(group.comm, "loading", valid_items=lambda: [
+                ("n", 2 if group.rank == last else 1)]):
+            pass
+    with pytest.raises(IndexError, match=f"^rank {group.rank}$"):   # each its own error
+        with fail_together(group.comm, "loading", own_errors=True, items=[]):
+            raise IndexError(f"rank {group.rank}")
 
 
 @pytest.mark.mpi(min_size=2)
