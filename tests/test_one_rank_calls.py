@@ -52,9 +52,9 @@ def _run_all(cases: List[str], ranks: int, folder, nodes=None) -> Dict[str, Tupl
     return results
 
 
-def _check(results, ranks: int) -> None:
+def _check(results, ranks: int, cases: Optional[List[str]] = None) -> None:
     problems = []
-    for case in COLLECTIVE:
+    for case in (COLLECTIVE if cases is None else cases):
         late = [rank for rank in range(ranks) if rank != caller(case, ranks)]
         out, err, code, seconds = results[case]
         report = re.search(r"collective timeout: .*?; ranks not arrived: (\[[0-9, ]*\])", err)
@@ -62,7 +62,7 @@ def _check(results, ranks: int) -> None:
                 or not TIMEOUT_S <= seconds < WITHIN_S):
             problems.append(f"{case}: return code {code}, {seconds:.1f} s after the call, "
                             f"report {report.group(0) if report else None!r}\n{out}{err[-3000:]}")
-    for case in LOCAL:
+    for case in (LOCAL if cases is None else []):
         out, err, code, seconds = results[case]
         if code != 0 or "returned" not in out:
             problems.append(f"{case}: return code {code}\n{out}{err[-3000:]}")
@@ -73,3 +73,11 @@ def _check(results, ranks: int) -> None:
 @pytest.mark.timeout(600)
 def test_one_rank_calls_end_the_job_naming_the_missing_rank(tmp_path):
     _check(_run_all(list(COLLECTIVE + LOCAL), 2, tmp_path), 2)
+
+
+@only_in_single_rank_run
+@pytest.mark.timeout(300)
+def test_one_rank_calls_across_nodes(simulated_nodes, tmp_path):
+    """A few cases at 4 ranks over 2 simulated nodes (the late ranks on both)."""
+    cases = ["zero_step", "ddp_forward", "checkpoint_save"]
+    _check(_run_all(cases, 4, tmp_path, simulated_nodes), 4, cases)
