@@ -45,20 +45,25 @@ def restarts(run_dir: Path) -> List[int]:
         return [int(row["step"]) for row in csv.DictReader(f) if row["restart"] == "1"]
 
 
-def run_program(cwd: Path, ranks: int, run_dir: Path, *options: str) -> subprocess.CompletedProcess:
-    """Run the program with ``options`` on ``ranks`` ranks to its end; it must succeed."""
-    result = subprocess.run(train_command(ranks, *options, "--run-dir", str(run_dir)), cwd=cwd,
-                            env=clean_env(), capture_output=True, text=True, timeout=300)
+def run_program(cwd: Path, ranks: int, run_dir: Path, *options: str,
+                nodes: Optional[SimulatedNodes] = None) -> subprocess.CompletedProcess:
+    """Run the program with ``options`` on ``ranks`` ranks (across ``nodes`` when given) to its
+    end; it must succeed."""
+    result = subprocess.run(train_command(ranks, *options, "--run-dir", str(run_dir),
+                                          nodes=nodes),
+                            cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     return result
 
 
-def preempt_program(cwd: Path, ranks: int, run_dir: Path, step: int, *options: str) -> str:
-    """Run the program, send SIGUSR1 to mpiexec (which forwards it to every rank) once the
-    checkpoint of ``step`` is written; return its output. It must stop with a checkpoint."""
-    job = subprocess.Popen(train_command(ranks, *options, "--run-dir", str(run_dir)), cwd=cwd,
-                           env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True)
+def preempt_program(cwd: Path, ranks: int, run_dir: Path, step: int, *options: str,
+                    nodes: Optional[SimulatedNodes] = None) -> str:
+    """Run the program (across ``nodes`` when given), send SIGUSR1 to mpiexec (which forwards
+    it to every rank) once the checkpoint of ``step`` is written; return its output. It must
+    stop with a checkpoint."""
+    job = subprocess.Popen(train_command(ranks, *options, "--run-dir", str(run_dir), nodes=nodes),
+                           cwd=cwd, env=clean_env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
     seen = []
     for line in job.stdout:
         seen.append(line)

@@ -19,6 +19,7 @@ so a resume continues exactly) or the hierarchical allreduce.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Type
 
@@ -137,6 +138,9 @@ def _fully_sharded(module: nn.Module, config: TrainConfig, group: comm.ProcessGr
     """``fsdp`` and ``hsdp``: FSDP2 on the mesh of :class:`TorchDistributed`, which the
     strategy owns (it ends torch.distributed when closed). Collective over every rank."""
     from torch.distributed.fsdp import fully_shard
+    # The logits are a view (nn.Linear on a batch of sequences), which FSDP2 warns about in
+    # case the caller changes them in place; the loss only reads them.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     device_type = next(module.parameters()).device.type
     torch_distributed = TorchDistributed(config.optimizer, device_type)
     if group.rank == 0:
