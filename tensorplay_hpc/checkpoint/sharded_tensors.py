@@ -5,8 +5,8 @@ The file holds every tensor at its full shape, as for an unsharded model and a p
 ``torch.optim`` optimizer, so it loads at any world size, sharded or not. Saving gathers one
 tensor at a time over its mesh and keeps it only on the rank chosen to write it (the writers
 share the bytes as for a replicated model), so no rank holds more than its share of the full
-tensors plus the one being gathered. Loading copies into each rank's DTensors the rows of its
-own shard.
+tensors plus the one being gathered. Loading reads the whole values as for an unsharded model
+(every rank receives them all) and copies into each rank's DTensors the rows of its own shard.
 """
 from __future__ import annotations
 
