@@ -12,8 +12,11 @@
   cache-sized pieces; :mod:`.environment` reads the variables every collective consults once;
 - :mod:`.flat_buffer` packs many tensors into one buffer;
 - :mod:`.collectives` and :mod:`.work` are the collectives, blocking or not;
-- :mod:`.agreement` turns a failure on one rank into the same error on all, and lets a
-  background thread wait for the other ranks without spinning inside MPI;
+  :mod:`.small_collectives` those on small values (objects, flags, digests) and
+  :mod:`.communicators` the making of communicators (``Dup``, ``Split``): the package calls no
+  mpi4py collective elsewhere, so the watchdog sees every one;
+- :mod:`.agreement` turns a failure on one rank into the same error on all
+  (:func:`~.agreement.fail_together`);
 - :mod:`.consistency`, :mod:`.watchdog` and :mod:`.abort` keep a diverging rank from hanging
   the others;
 - :mod:`.trace` records every collective and one-sided operation (the last few always, for

@@ -59,7 +59,7 @@ def fail_together(comm: MPI.Intracomm, what: str, exc_type: Type[Exception] = Ru
     items or in the outcome (an error on some ranks only, or different errors), is a
     ``ValueError`` on every rank naming the ranks and the first item that differs; an error
     alike on every rank is raised again as it was, so callers keep PyTorch's error types.
-    ``own_errors``: where the block raised on every rank, each rank raises its own error, even
+    ``own_errors`` (comparing): where the block raised on every rank, each raises its own, even
     where they differ (for arguments meant to differ by rank, such as ``device_ids=[rank]``;
     one allreduce of a flag more).
     """
