@@ -37,8 +37,9 @@ def hybrid_shape(layout: comm.NodeLayout) -> Tuple[Tuple[Tuple[int, ...], ...], 
     size = layout.size
     shards = next(d for d in range(math.isqrt(size - 1) + 1, size + 1) if size % d == 0)
     rows = tuple(tuple(range(r, r + shards)) for r in range(0, size, shards))
-    return rows, (f"hsdp: one node, so {len(rows)} replicas of {shards} shards each (the "
-                  "replicas are rows of consecutive ranks, not nodes)")
+    replicas = "1 replica" if len(rows) == 1 else f"{len(rows)} replicas"
+    return rows, (f"hsdp: one node, so {replicas} of {shards} shards each (the replicas are "
+                  "rows of consecutive ranks, not nodes)")
 
 
 class TorchDistributed(comm.Closeable):
