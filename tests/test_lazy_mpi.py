@@ -13,7 +13,7 @@ PUBLIC_MODULES = (
     "tensorplay_hpc", "tensorplay_hpc.distributed.optim", "tensorplay_hpc.distributed.parallel",
     "tensorplay_hpc.distributed.algorithms.model_averaging.averagers",
     "tensorplay_hpc.distributed.rma", "tensorplay_hpc.distributed.autograd",
-    "tensorplay_hpc.checkpoint", "tensorplay_hpc.comm",
+    "tensorplay_hpc.checkpoint", "tensorplay_hpc.comm", "tensorplay_hpc.distributed.backend",
 )
 
 # Run in a fresh interpreter: the test process itself has MPI started.
@@ -23,6 +23,8 @@ for name in sys.argv[1:]:
     importlib.import_module(name)
     assert "mpi4py.MPI" not in sys.modules, name
 assert "MPICH_MAX_THREAD_SAFETY" not in os.environ
+import torch.distributed as dist
+assert dist.is_backend_available("mpi4py")   # registered by importing tensorplay_hpc.distributed
 print("not started")
 """
 
