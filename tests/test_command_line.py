@@ -46,6 +46,7 @@ def test_device_cuda_without_a_gpu_is_a_usage_error_on_every_rank(tmp_path):
     assert "Traceback" not in result.stderr and "MPI_ABORT" not in result.stderr
 
 
+@pytest.mark.timeout(300)   # six jobs, three at a time, each starting MPI and PyTorch
 def test_bad_options_and_unusable_folders_are_usage_errors_before_any_work(tmp_path):
     """Each case ends with status 2 on every rank and one error line, printed once, with no
     traceback or abort, and creates nothing. Three jobs run at a time. (Every invalid setting
