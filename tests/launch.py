@@ -30,9 +30,11 @@ only_in_single_rank_run = pytest.mark.skipif(not single_rank(), reason=ONLY_UNDE
 
 def clean_env(base: Optional[Dict[str, str]] = None, **extra: str) -> Dict[str, str]:
     """``base`` (default: this process's environment) without the variables of the MPI or Slurm
-    job running the tests, so that a nested ``mpiexec`` or ``srun`` starts a job of its own."""
+    job running the tests, so that a nested ``mpiexec`` or ``srun`` starts a job of its own, and
+    without the torch.distributed address that the tests' gloo group left here."""
     env = {k: v for k, v in (os.environ if base is None else base).items()
-           if not k.startswith(("OMPI_", "PMIX_", "OPAL_", "ORTE_", "HYDRA_", "PMI_", "SLURM_"))}
+           if not k.startswith(("OMPI_", "PMIX_", "OPAL_", "ORTE_", "HYDRA_", "PMI_", "SLURM_"))
+           and k not in ("MASTER_ADDR", "MASTER_PORT")}
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                PYTHONUNBUFFERED="1", **extra)
     return env

