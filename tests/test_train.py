@@ -26,7 +26,7 @@ from tensorplay_hpc.train.config import UsageError
 from tensorplay_hpc.train.run_folder import CheckpointsDoNotFit, RunFolderInUse
 from tensorplay_hpc.train.preemption import Preemption
 from launch import ONLY_UNDER_ONE_RANK, REPO, clean_env, single_rank
-from train_launch import losses, restarts, train_command
+from train_launch import losses, preempt_program, restarts, train_command
 
 WORLD = MPI.COMM_WORLD
 
@@ -261,21 +261,9 @@ def run_to_end(tmp_path: Path, options, run_dir: Path, *more: str, ranks: int = 
 
 def preempt_after_checkpoint(tmp_path: Path, options, run_dir: Path, step: int, ranks: int = 2,
                              nodes=None) -> int:
-    """Run the program, send SIGUSR1 to mpiexec (which forwards it to every rank) once the
-    checkpoint of ``step`` is written; return the step it stopped at, checkpointed."""
-    job = subprocess.Popen(train_command(ranks, *options, "--run-dir", str(run_dir), nodes=nodes),
-                           cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True)
-    seen = []
-    for line in job.stdout:
-        seen.append(line)
-        if f"checkpoint at step {step} " in line:
-            job.send_signal(signal.SIGUSR1)
-            break
-    seen.extend(job.stdout)
-    assert job.wait(timeout=300) == EXIT_PREEMPTED, "".join(seen)
-    output = "".join(seen)
-    assert "SIGUSR1: stopping at step" in output and "(preempted)" in output
+    """Run the program, stop it with SIGUSR1 once the checkpoint of ``step`` is written
+    (:func:`train_launch.preempt_program`); return the step it stopped at, checkpointed."""
+    preempt_program(tmp_path, ranks, run_dir, step, *options, nodes=nodes)
     stopped_at = len(losses(run_dir))
     assert (run_dir / "checkpoints" / f"step-{stopped_at:07d}.h5").exists()
     return stopped_at
