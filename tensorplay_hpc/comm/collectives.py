@@ -25,7 +25,7 @@ from .watchdog import watched
 from .work import Work, complete
 
 __all__ = ["all_gather", "all_gather_v", "all_reduce", "all_reduce_coalesced", "all_to_all_v",
-           "barrier", "broadcast", "broadcast_coalesced", "gather", "reduce", "reduce_scatter",
+           "broadcast", "broadcast_coalesced", "gather", "reduce", "reduce_scatter",
            "scatter"]
 
 
@@ -495,15 +495,3 @@ def scatter(output: torch.Tensor, input: Optional[torch.Tensor], comm: MPI.Intra
     return complete(requests, recv.finish, async_op, keep=[send], operation="scatter",
                     comm=comm, record=record)
 
-
-def barrier(comm: MPI.Intracomm, async_op: bool = False) -> Optional[Work]:
-    """Return once every rank of ``comm`` has called this."""
-    requests = []
-    record = trace.collective("barrier", comm, 0, async_op)
-    with watched("barrier", comm, record):
-        if async_op:
-            requests.append(comm.Ibarrier())
-        else:
-            comm.Barrier()
-    return complete(requests, lambda: None, async_op, operation="barrier", comm=comm,
-                    record=record)

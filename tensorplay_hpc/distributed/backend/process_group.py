@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup as _C10dProcessGroup
 
-from tensorplay_hpc.comm import collectives
+from tensorplay_hpc.comm import collectives, small_collectives
 from tensorplay_hpc.comm.dtypes import ReduceOp
 from tensorplay_hpc.comm.group import ProcessGroup
 from tensorplay_hpc.comm.mpi import MPI
@@ -165,8 +165,7 @@ class MPIProcessGroup(_C10dProcessGroup):
     def reduce_scatter_tensor_coalesced(self, outputs: List[torch.Tensor],
                                         inputs: List[torch.Tensor],
                                         opts: dist.ReduceScatterOptions) -> BackendWork:
-        works = [self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)]
-        return _joined(works, outputs)
+        return _each(self._reduce_scatter_base, outputs, inputs, opts)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
@@ -198,14 +197,13 @@ class MPIProcessGroup(_C10dProcessGroup):
 
     def allgather_coalesced(self, output_lists: List[List[torch.Tensor]],
                             inputs: List[torch.Tensor], opts: dist.AllgatherOptions) -> BackendWork:
-        works = [self.allgather([o], [i], opts) for o, i in zip(output_lists, inputs)]
-        return _joined(works, output_lists)
+        return _each(lambda o, i, options: self.allgather([o], [i], options), output_lists,
+                     inputs, opts)
 
     def allgather_into_tensor_coalesced(self, outputs: List[torch.Tensor],
                                         inputs: List[torch.Tensor],
                                         opts: dist.AllgatherOptions) -> BackendWork:
-        works = [self._allgather_base(o, i, opts) for o, i in zip(outputs, inputs)]
-        return _joined(works, outputs)
+        return _each(self._allgather_base, outputs, inputs, opts)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
@@ -261,8 +259,9 @@ class MPIProcessGroup(_C10dProcessGroup):
     # --- synchronization and point to point ---------------------------------------------------
 
     def barrier(self, opts: dist.BarrierOptions = None) -> BackendWork:
-        asynchronous = bool(getattr(opts, "asyncOp", False))
-        return self._issue([], asynchronous, lambda a: collectives.barrier(self.comm, a))
+        """Blocking whatever ``opts`` asks: a barrier's handle has nothing left to wait for."""
+        small_collectives.barrier(self.comm)
+        return BackendWork(None, [])
 
     def monitored_barrier(self, *args: object, **kwargs: object) -> None:
         raise UnsupportedOperation(
@@ -292,6 +291,12 @@ class MPIProcessGroup(_C10dProcessGroup):
 def _joined(works: List[BackendWork], outputs: list) -> BackendWork:
     """One handle on several operations: complete when each is."""
     return BackendWork(Work([], lambda: [work.wait() for work in works]), outputs)
+
+
+def _each(operation: Callable[..., BackendWork], outputs: list, inputs: list,
+          opts: object) -> BackendWork:
+    """``operation(output, input, opts)`` for each pair, as one handle."""
+    return _joined([operation(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
 
 
 def _unpack(flat: torch.Tensor, outputs: Sequence[torch.Tensor]) -> None:

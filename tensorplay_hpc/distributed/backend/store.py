@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
-from tensorplay_hpc.comm import collectives
+from tensorplay_hpc.comm.small_collectives import barrier
 from tensorplay_hpc.comm.group import ProcessGroup
 from tensorplay_hpc.comm.mpi import MPI
 
@@ -201,7 +201,7 @@ class MPIStore(dist.Store):
 
     def close(self) -> None:
         """Stop the service and free the communicator. Collective."""
-        collectives.barrier(self._group.comm)   # no request is left in flight
+        barrier(self._group.comm)   # no request is left in flight
         if self._keeper is not None:
             self._keeper.stop()
             atexit.unregister(self._keeper.stop)
