@@ -9,6 +9,10 @@ Each node is a set of Linux namespaces of its own, held open by a sleeping proce
   names every node;
 - IPC: its own System V objects.
 
+With ``throttle`` (a rate such as ``100mbit``), each node's ``eth0`` sends through a token
+bucket filter (``tc qdisc ... tbf``) at that rate, so the link between nodes is as slow as a
+site's uplink; the kernel here has no ``netem``, so no delay is added. Off by default.
+
 The bridge lives in one more namespace, the *launcher* (the login node of the cluster), where
 ``mpiexec`` runs. It starts one daemon per node through a script that enters the node's
 namespaces instead of calling ssh: Open MPI 4's ``--mca plm_rsh_agent``, Open MPI 5's (PRRTE)
@@ -60,6 +64,11 @@ shift
 exec nsenter --target "$(cat "{folder}/$host.pid")" --net --uts --ipc --mount -- /bin/sh -c "$*"
 """
 
+THROTTLE_BURST = "32kb"
+"""Bytes a throttled node may send at once above its rate (the token bucket's depth)."""
+THROTTLE_QUEUE = "100ms"
+"""How long a packet may wait in a throttled node's queue before it is dropped."""
+
 # What each holder process does in its fresh namespaces before sleeping until it is killed.
 HOLDER = """set -e
 hostname "$1"
@@ -108,9 +117,10 @@ class SimulatedNodes:
     """``nodes`` simulated nodes of ``slots`` slots each, plus the launcher; :meth:`stop` (or
     leaving the ``with`` block) removes everything it made."""
 
-    def __init__(self, nodes: int = 2, slots: int = 2) -> None:
+    def __init__(self, nodes: int = 2, slots: int = 2, throttle: Optional[str] = None) -> None:
         self.names = [f"n{i}" for i in range(1, nodes + 1)]
         self.slots = slots
+        self.throttle = throttle
         self.folder: Optional[Path] = None
         self._holders: Dict[str, subprocess.Popen] = {}
 
@@ -119,7 +129,8 @@ class SimulatedNodes:
     def start(self) -> "SimulatedNodes":
         if os.geteuid() != 0:
             raise NodesUnavailable("simulated nodes need root (they create namespaces)")
-        missing = [t for t in ("unshare", "nsenter", "ip") if not shutil.which(t)]
+        missing = [t for t in ("unshare", "nsenter", "ip", *(("tc",) if self.throttle else ()))
+                   if not shutil.which(t)]
         if missing:
             raise NodesUnavailable(f"simulated nodes need {', '.join(missing)} on PATH")
         self.folder = Path(tempfile.mkdtemp(prefix="tensorplay-nodes-", dir="/var/tmp"))
@@ -140,6 +151,9 @@ class SimulatedNodes:
             self._in("launcher", "ip", "link", "set", f"v{name}", "master", "br0", "up")
             self._in(name, "ip", "addr", "add", f"{self.address(name)}/24", "dev", "eth0")
             self._in(name, "ip", "link", "set", "eth0", "up")
+            if self.throttle:
+                self._in(name, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate",
+                         self.throttle, "burst", THROTTLE_BURST, "latency", THROTTLE_QUEUE)
         (self.folder / "cluster.json").write_text(json.dumps(
             {"names": self.names, "slots": self.slots}))
         return self
@@ -260,6 +274,8 @@ def main() -> int:
                     "with `mpiexec $(python tests/simulated_nodes.py --flags) ...`.")
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--slots", type=int, default=2, help="ranks per node")
+    parser.add_argument("--throttle", metavar="RATE",
+                        help="send at most RATE from each node (tc's units: 100mbit, 1gbit)")
     parser.add_argument("--flags", action="store_true",
                         help="print the mpiexec options of the cluster this shell runs in")
     parser.add_argument("--mpiexec", action="store_true",
@@ -277,7 +293,7 @@ def main() -> int:
         parser.error("no COMMAND given")
     # A `timeout` around this script sends SIGTERM: leave through the cleanup below.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    with SimulatedNodes(args.nodes, args.slots) as cluster:
+    with SimulatedNodes(args.nodes, args.slots, args.throttle) as cluster:
         if args.mpiexec:
             command = ["mpiexec", *cluster.mpiexec_flags(), *command]
         return cluster.run(command).returncode
