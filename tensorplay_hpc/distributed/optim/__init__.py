@@ -1,10 +1,12 @@
-"""Distributed optimizers: ZeroRedundancyOptimizer, PostLocalSGDOptimizer, DistributedOptimizer."""
+"""Distributed optimizers: ZeroRedundancyOptimizer, PostLocalSGDOptimizer, DistributedOptimizer,
+DiLoCoOptimizer."""
 import importlib
 
 _EXPORTS = {
     "ZeroRedundancyOptimizer": "zero_redundancy_optimizer",
     "PostLocalSGDOptimizer": "post_localSGD_optimizer",
     "DistributedOptimizer": "distributed_optimizer",
+    "DiLoCoOptimizer": "diloco_optimizer",
 }
 __all__ = list(_EXPORTS)
 
