@@ -26,7 +26,7 @@ from tensorplay_hpc.train.config import UsageError
 from tensorplay_hpc.train.run_folder import CheckpointsDoNotFit, RunFolderInUse
 from tensorplay_hpc.train.preemption import Preemption
 from launch import ONLY_UNDER_ONE_RANK, REPO, clean_env, single_rank
-from train_launch import losses, preempt_program, restarts, train_command
+from train_launch import cross_node_bytes, losses, preempt_program, restarts, train_command
 
 WORLD = MPI.COMM_WORLD
 
@@ -91,13 +91,14 @@ def test_rank_slices_make_up_the_global_batch():
 
 def test_history_survives_a_checkpoint_extra_and_writes_csv(tmp_path):
     history = History(losses=[5.5, 4.25, 3.0], tokens_per_second=[10.0, 20.0, 30.0],
-                      bytes_communicated=[4096, 4104], validation={2: 4.5, 3: 3.5}, restarts=[1])
+                      bytes_communicated=[4096, 4104], validation={2: 4.5, 3: 3.5}, restarts=[1],
+                      cross_node_bytes={1: 0, 3: 70000})
     assert History.from_extra(history.to_extra()) == history
     history.write_csv(tmp_path / "m.csv")
     assert (tmp_path / "m.csv").read_text().splitlines() == [
-        "step,loss,validation_loss,tokens_per_second,bytes_communicated,restart",
-        "1,5.500000,,10.0,,0", "2,4.250000,4.500000,20.0,4096,1",
-        "3,3.000000,3.500000,30.0,4104,0"]
+        "step,loss,validation_loss,tokens_per_second,bytes_communicated,restart,cross_node_bytes",
+        "1,5.500000,,10.0,,0,0", "2,4.250000,4.500000,20.0,4096,1,",
+        "3,3.000000,3.500000,30.0,4104,0,70000"]
 
 
 def test_settings_are_checked():
@@ -310,6 +311,8 @@ def test_program_on_two_nodes_resumes_exactly(tmp_path, simulated_nodes, optimiz
     run_to_end(tmp_path, options, tmp_path / "whole", ranks=4, nodes=simulated_nodes)
     expected = losses(tmp_path / "whole")
     assert len(expected) == 16
+    crossed = cross_node_bytes(tmp_path / "whole")   # counted at each checkpoint
+    assert list(crossed) == [4, 8, 12, 16] and 0 < crossed[4] < crossed[8] < crossed[16]
 
     run_dir = tmp_path / "parts"
     stopped_at = preempt_after_checkpoint(tmp_path, options, run_dir, 4, ranks=4,

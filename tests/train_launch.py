@@ -6,7 +6,7 @@ import os
 import signal
 import subprocess
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from launch import clean_env, mpiexec_prefix
 from tensorplay_hpc.train.preemption import EXIT_PREEMPTED
@@ -43,6 +43,13 @@ def restarts(run_dir: Path) -> List[int]:
     """The steps of metrics.csv marked as the first after a restart."""
     with open(run_dir / "metrics.csv", newline="") as f:
         return [int(row["step"]) for row in csv.DictReader(f) if row["restart"] == "1"]
+
+
+def cross_node_bytes(run_dir: Path) -> Dict[int, int]:
+    """The bytes that had crossed between nodes, by the steps of metrics.csv that counted them."""
+    with open(run_dir / "metrics.csv", newline="") as f:
+        return {int(row["step"]): int(row["cross_node_bytes"]) for row in csv.DictReader(f)
+                if row["cross_node_bytes"]}
 
 
 def run_program(cwd: Path, ranks: int, run_dir: Path, *options: str,

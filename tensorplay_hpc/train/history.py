@@ -25,6 +25,9 @@ class History:
     the loss), as :func:`tensorplay_hpc.comm.trace.bytes_communicated` counts them."""
     validation: Dict[int, float] = field(default_factory=dict)
     """Validation loss by the step after which it was measured."""
+    cross_node_bytes: Dict[int, int] = field(default_factory=dict)
+    """Bytes the nodes sent on their networks since the run's first step, by the step after
+    which they were counted (see :class:`~tensorplay_hpc.train.cross_node.CrossNodeBytes`)."""
     restarts: List[int] = field(default_factory=list)
     """Steps at which a run resumed from a checkpoint."""
 
@@ -39,6 +42,8 @@ class History:
                 "bytes_communicated": list(self.bytes_communicated),
                 "validation_steps": list(self.validation),
                 "validation_losses": list(self.validation.values()),
+                "cross_node_steps": list(self.cross_node_bytes),
+                "cross_node_bytes": list(self.cross_node_bytes.values()),
                 "restarts": list(self.restarts)}
 
     @classmethod
@@ -50,17 +55,20 @@ class History:
         return cls(losses=floats("losses"), tokens_per_second=floats("tokens_per_second"),
                    bytes_communicated=[int(b) for b in extra.get("bytes_communicated", [])],
                    validation=dict(zip(steps, floats("validation_losses"))),
+                   cross_node_bytes={int(s): int(b) for s, b in zip(
+                       extra.get("cross_node_steps", []), extra.get("cross_node_bytes", []))},
                    restarts=[int(s) for s in extra.get("restarts", [])])
 
     def write_csv(self, path: Path) -> None:
         """One row per step: ``step,loss,validation_loss,tokens_per_second,bytes_communicated,
-        restart`` (bytes empty for steps of runs saved before they were counted)."""
+        restart,cross_node_bytes`` (bytes empty for steps of runs saved before they were
+        counted; cross-node bytes only at the steps they were counted)."""
         path.parent.mkdir(parents=True, exist_ok=True)
         restarts = set(self.restarts)
         with open(path, "w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(["step", "loss", "validation_loss", "tokens_per_second",
-                             "bytes_communicated", "restart"])
+                             "bytes_communicated", "restart", "cross_node_bytes"])
             # Counts are kept from the first step that had one.
             counts = [""] * (self.step - len(self.bytes_communicated)) + self.bytes_communicated
             for index, (loss, speed) in enumerate(zip(self.losses, self.tokens_per_second)):
@@ -68,4 +76,5 @@ class History:
                 validation = self.validation.get(step)
                 validation_text = "" if validation is None else f"{validation:.6f}"
                 writer.writerow([step, f"{loss:.6f}", validation_text, f"{speed:.1f}",
-                                 counts[index], int(step - 1 in restarts)])
+                                 counts[index], int(step - 1 in restarts),
+                                 self.cross_node_bytes.get(step, "")])

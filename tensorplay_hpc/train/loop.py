@@ -17,6 +17,7 @@ from tensorplay_hpc.comm.small_collectives import all_gather_object
 
 from . import strategy as strategies
 from .config import TrainConfig, UsageError
+from .cross_node import CrossNodeBytes
 from .data import VOCAB_SIZE, Corpus, batch_for_rank, validation_batches
 from .history import History
 from .model import CharTransformer, next_token_loss
@@ -265,6 +266,8 @@ class Run(comm.Closeable):
         progress = Progress(self.group.rank, config.steps, self.history.step, bar=config.progress,
                             log_every=config.log_every)
         seconds, steps_here, exit_code = 0.0, 0, 0
+        crossed = CrossNodeBytes(self.world)
+        crossed_before = max(self.history.cross_node_bytes.items(), default=(0, 0))[1]
         while self.history.step < config.steps:
             started, sent = time.perf_counter(), trace.bytes_communicated()
             with trace.span(f"step {self.history.step + 1}"):
@@ -281,6 +284,8 @@ class Run(comm.Closeable):
             validation = None
             if (config.eval_every and done % config.eval_every == 0) or done == config.steps:
                 validation = self.history.validation[done] = self._validate()
+            if self._logged(done, validation is not None or stop):
+                self.history.cross_node_bytes[done] = crossed_before + crossed.total()
             progress.step(loss, speed, validation)
             self._finish_save(progress, if_done=True)
             if stop:
@@ -304,6 +309,14 @@ class Run(comm.Closeable):
             checkpoint=self.last_checkpoint, exit_code=exit_code)
         self._summarize(outcome)
         return outcome
+
+    def _logged(self, step: int, event: bool) -> bool:
+        """Whether ``step`` gets the metrics counted only now and then (the bytes that crossed
+        nodes): with a progress line (every ``--log-every``, the last step), a checkpoint or
+        an ``event`` (a validation loss, a stop). The same on every rank."""
+        c = self.config
+        return (event or step == c.steps or any(every and step % every == 0 for every in (
+            c.log_every, c.checkpoint_every)))
 
     def _write_trace(self) -> None:
         """With tracing on: the trace files, and on rank 0 the timeline. Collective."""
