@@ -8,6 +8,7 @@ import torch
 from mpi4py import MPI
 
 from tensorplay_hpc import comm
+from tensorplay_hpc.comm import lifetime
 from tensorplay_hpc.distributed.algorithms.model_averaging import averagers
 from tensorplay_hpc.distributed.optim import DiLoCoOptimizer, PostLocalSGDOptimizer
 
@@ -220,8 +221,14 @@ def test_node_local_equals_the_reference_where_nodes_average_gradients(world):
     node = next(n for n, ranks in enumerate(nodes) if world.rank in ranks)
     _check(model, ours, reference, node,
            exact=len(nodes) <= 2 and max(len(ranks) for ranks in nodes) <= 2)
-    if len(nodes) == 1:
-        assert ours.bytes_synced == 0    # nothing crosses nodes
+    # each rank of a node sends its share of the fragment's deltas to the other nodes
+    share = 0
+    if len(nodes) > 1:
+        size, rank = len(nodes[node]), nodes[node].index(world.rank)
+        for f, starts in ((0, 2), (1, 3)):   # fragment 0 after steps 4 and 8, 1 after 2, 6, 10
+            n = sum(p.numel() for p in reference._params(0, f))
+            share += starts * 8 * (n // size + (rank < n % size))
+    assert ours.bytes_synced == share
     ours.close()
 
 
@@ -303,3 +310,14 @@ def test_a_state_with_other_settings_is_refused(world):
         ours.load_state_dict(state)
     saved.close()
     ours.close()
+
+
+def test_close_frees_the_communicators_and_a_later_step_is_an_error(world):
+    before = len(lifetime.open_objects())
+    model, ours = _diloco(sync_every=2, node_local=True)
+    assert len(lifetime.open_objects()) == before + 3   # the group, the node, the other nodes
+    ours.close()
+    ours.close()                                        # closing again does nothing
+    assert len(lifetime.open_objects()) == before
+    with pytest.raises(RuntimeError, match=rf"DiLoCoOptimizer is closed.*rank {world.rank}"):
+        ours.step()

@@ -62,6 +62,11 @@ class DiLoCoOptimizer(torch.optim.Optimizer, comm.Closeable):
             parallelism inside the node) and DiLoCo runs between the nodes. Needs the same
             number of ranks on every node.
 
+    Attributes:
+        bytes_synced: the bytes this rank has handed to the deltas' allreduces so far (16-bit
+            where ``delta_dtype`` says so; with ``node_local`` its share, which crosses nodes;
+            none on one rank).
+
     Raises:
         ValueError: a bad setting, an outer optimizer over other parameters, unequal nodes with
             ``node_local``, or ranks whose settings or parameters (shapes, dtypes) differ; on
@@ -88,8 +93,6 @@ class DiLoCoOptimizer(torch.optim.Optimizer, comm.Closeable):
         self.delta_dtype = delta_dtype
         self.node_local = bool(node_local)
         self.bytes_synced = 0
-        """Bytes this rank has handed to the deltas' allreduces so far (the payload, 16-bit
-        where ``delta_dtype`` says so; with ``node_local`` only the part that crosses nodes)."""
         self._group = comm.ProcessGroup(process_group, owner="DiLoCoOptimizer")
         self._subgroups: List[comm.ProcessGroup] = []
         self.rank = self._group.rank
@@ -220,8 +223,12 @@ class DiLoCoOptimizer(torch.optim.Optimizer, comm.Closeable):
         return self._inner_steps
 
     def close(self) -> None:
-        """Free the private communicators; a later step raises ``RuntimeError``. Collective;
-        closing again does nothing."""
+        """Wait for a sync still in flight (its result is not applied), then free the private
+        communicators; a later step raises ``RuntimeError``. Collective; closing again does
+        nothing."""
+        if not self._group.closed:
+            for sync in self._in_flight:
+                self._complete(sync)
         for group in self._subgroups:
             group.close()
         self._group.close()
