@@ -3,7 +3,7 @@ kept global copy of the model, driven by the ranks' averaged model deltas (Douil
 2023), with Streaming DiLoCo's fragments, overlapped syncs and 16-bit deltas."""
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from tensorplay_hpc.comm.mpi import MPI
@@ -96,8 +96,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer, comm.Closeable):
         self._group = comm.ProcessGroup(process_group, owner="DiLoCoOptimizer")
         self._subgroups: List[comm.ProcessGroup] = []
         self.rank = self._group.rank
-        self._params: List[torch.Tensor] = [
-            p for group in optim.param_groups for p in group["params"]]
+        self._params: List[torch.Tensor] = []
         settings = [("sync_every", sync_every), ("fragments", fragments),
                     ("delta_dtype", str(delta_dtype)), ("overlap_steps", overlap_steps),
                     ("node_local", self.node_local)]
@@ -142,6 +141,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer, comm.Closeable):
                 self.outer_optimizer, torch.optim.Optimizer):
             raise TypeError("DiLoCoOptimizer: optim and outer_optimizer must be "
                             f"torch.optim.Optimizer instances (rank {self.rank})")
+        self._params = [p for group in self.optim.param_groups for p in group["params"]]
         if delta_dtype not in _DELTA_DTYPES:
             raise ValueError(f"DiLoCoOptimizer: delta_dtype must be None, torch.bfloat16 or "
                              f"torch.float16, got {delta_dtype} (rank {self.rank})")
@@ -184,15 +184,14 @@ class DiLoCoOptimizer(torch.optim.Optimizer, comm.Closeable):
         """The slices of the global buffers that hold ``fragment``'s parameters: contiguous,
         since a fragment is a range of parameters and each buffer keeps their order."""
         start, end = self.schedule.bounds[fragment]
+        per_buffer: Dict[int, List[int]] = {}
+        for i in range(start, end):
+            per_buffer.setdefault(self._where[i][0], []).append(i)
         parts = []
-        for b, flat in enumerate(self._buffers):
-            positions = [p for i, (buf, p) in enumerate(self._where)
-                         if buf == b and start <= i < end]
-            if positions:
-                indices = [i for i in range(start, end) if self._where[i][0] == b]
-                first, last = positions[0], positions[-1]
-                parts.append((b, indices, flat.offsets[first],
-                              flat.offsets[last] + flat.numels[last]))
+        for b, indices in sorted(per_buffer.items()):
+            flat = self._buffers[b]
+            first, last = self._where[indices[0]][1], self._where[indices[-1]][1]
+            parts.append((b, indices, flat.offsets[first], flat.offsets[last] + flat.numels[last]))
         return parts
 
     # -- the torch.optim.Optimizer interface -----------------------------------------------
@@ -337,37 +336,37 @@ class DiLoCoOptimizer(torch.optim.Optimizer, comm.Closeable):
         saved = [p.grad for p in self._params]
         try:
             with torch.no_grad():
-                drift = None
+                drift = [None] * len(parts)
                 if sync.local is not None:
                     drift = [self._local(indices).sub_(before)
                              for (_, indices, _, _), before in zip(parts, sync.local)]
                 for p in self._params:
                     p.grad = None
-                for (b, indices, start, _), delta in zip(parts, average):
-                    for i in indices:
-                        view, offset = self._global_view(i)
-                        param = self._params[i]
-                        param.copy_(view)
-                        param.grad = delta[offset - start:offset - start + param.numel()].view(
-                            param.shape).to(param.device)
+                for (_, indices, _, _), delta in zip(parts, average):
+                    params = [self._params[i] for i in indices]
+                    torch._foreach_copy_(params, self._global_views(indices))
+                    for param, grad in zip(params, self._shaped(indices, delta)):
+                        param.grad = grad.to(param.device)
                 self.outer_optimizer.step()
-                for (b, indices, start, _), moved in zip(parts, drift or [None] * len(parts)):
-                    for i in indices:
-                        view, offset = self._global_view(i)
-                        param = self._params[i]
-                        view.copy_(param)
-                        if moved is not None:
-                            param.add_(moved[offset - start:offset - start + param.numel()]
-                                       .view(param.shape).to(param.device))
+                for (_, indices, _, _), moved in zip(parts, drift):
+                    params = [self._params[i] for i in indices]
+                    torch._foreach_copy_(self._global_views(indices), params)
+                    if moved is not None:
+                        torch._foreach_add_(params, [m.to(p.device) for m, p in
+                                                     zip(self._shaped(indices, moved), params)])
         finally:
             for p, grad in zip(self._params, saved):
                 p.grad = grad
 
-    def _global_view(self, index: int) -> Tuple[torch.Tensor, int]:
-        """Parameter ``index``'s view of the global copy, and where it starts in its buffer."""
-        b, position = self._where[index]
-        flat = self._buffers[b]
-        return flat.views[position], flat.offsets[position]
+    def _global_views(self, indices: Sequence[int]) -> List[torch.Tensor]:
+        """The global copy's views of the parameters ``indices``."""
+        return [self._buffers[self._where[i][0]].views[self._where[i][1]] for i in indices]
+
+    def _shaped(self, indices: List[int], flat: torch.Tensor) -> List[torch.Tensor]:
+        """Views of ``flat``, a fragment's part laid out like the global copy, shaped like the
+        parameters ``indices``."""
+        return comm.FlatBuffer([self._params[i].shape for i in indices], flat.dtype,
+                               buffer=flat).views
 
     # -- checkpoints -----------------------------------------------------------------------
 
@@ -384,7 +383,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer, comm.Closeable):
                               "average": [t.clone() for t in self._complete(sync)],
                               "local": [t.clone() for t in sync.local or []]})
         return {"inner": self.optim.state_dict(), "outer": self.outer_optimizer.state_dict(),
-                "global": [self._global_view(i)[0].clone() for i in range(len(self._params))],
+                "global": [t.clone() for t in self._global_views(range(len(self._params)))],
                 "inner_steps": self._inner_steps, "schedule": self.schedule.settings(),
                 "in_flight": in_flight}
 
@@ -405,8 +404,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer, comm.Closeable):
         self.optim.load_state_dict(state_dict["inner"])
         self.outer_optimizer.load_state_dict(state_dict["outer"])
         with torch.no_grad():
-            for i, saved in enumerate(state_dict["global"]):
-                self._global_view(i)[0].copy_(saved)
+            torch._foreach_copy_(self._global_views(range(len(self._params))),
+                                 list(state_dict["global"]))
         self._inner_steps = int(state_dict["inner_steps"])
         self._in_flight = []
         for entry in state_dict["in_flight"]:
