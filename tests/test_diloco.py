@@ -11,6 +11,7 @@ from tensorplay_hpc import comm
 from tensorplay_hpc.comm import lifetime
 from tensorplay_hpc.distributed.algorithms.model_averaging import averagers
 from tensorplay_hpc.distributed.optim import DiLoCoOptimizer, PostLocalSGDOptimizer
+from tensorplay_hpc.distributed.optim.fragment_schedule import FragmentSchedule
 
 WORLD = MPI.COMM_WORLD
 pytestmark = pytest.mark.timeout(60)
@@ -19,10 +20,16 @@ pytestmark = pytest.mark.timeout(60)
 FRAGMENTS = {1: [[0, 1, 2, 3]], 2: [[0], [1, 2, 3]], 3: [[0], [1], [2, 3]]}
 
 
-def _model():
+class _Double(torch.nn.Module):
+    def forward(self, x):
+        return x.double()
+
+
+def _model(mixed=False):
+    """float64; ``mixed``: the first layer in float32, so that fragment 1 spans two dtypes."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
-                               torch.nn.Linear(8, 3)).double()
+    first = torch.nn.Linear(4, 8) if mixed else torch.nn.Linear(4, 8).double()
+    return torch.nn.Sequential(first, torch.nn.Tanh(), _Double(), torch.nn.Linear(8, 3).double())
 
 
 def _loss(model, replica, step):
@@ -30,7 +37,7 @@ def _loss(model, replica, step):
     generator = torch.Generator().manual_seed(1000 * step + replica)
     x = torch.randn(5, 4, generator=generator, dtype=torch.float64)
     y = torch.randn(5, 3, generator=generator, dtype=torch.float64)
-    return torch.nn.functional.mse_loss(model(x), y)
+    return torch.nn.functional.mse_loss(model(x.to(model[0].weight.dtype)), y)
 
 
 def _inner(params):
@@ -45,9 +52,10 @@ class Reference:
     """DiLoCo written out for every replica in one process. A replica is a group of ranks
     (one rank, or a node with ``node_local``) whose gradient is the average of its ranks'."""
 
-    def __init__(self, groups, sync_every, fragments, overlap_steps=0, delta_dtype=None):
+    def __init__(self, groups, sync_every, fragments, overlap_steps=0, delta_dtype=None,
+                 mixed=False):
         self.groups = groups
-        self.models = [_model() for _ in groups]
+        self.models = [_model(mixed) for _ in groups]
         self.inner = [_inner(m.parameters()) for m in self.models]
         self.global_ = [p.detach().clone().requires_grad_() for p in self.models[0].parameters()]
         self.outer = _outer(self.global_)
@@ -108,7 +116,7 @@ class Reference:
             total = deltas[0]
             for d in deltas[1:]:
                 total = total + d
-            average.append(total.to(torch.float64) / len(deltas))
+            average.append(total.to(self.global_[i].dtype) / len(deltas))
         local = [[p.detach().clone() for p in self._params(r, f)] for r in range(len(self.models))]
         return f, self.steps, average, local
 
@@ -134,10 +142,10 @@ def _train(optimizer, model, steps, first=1):
         optimizer.step()
 
 
-def _diloco(model=None, process_group=None, **options):
+def _diloco(process_group=None, mixed=False, **options):
     """A model whose parameters differ on every rank but 0 (the construction broadcasts rank
     0's), and DiLoCo over it."""
-    model = model or _model()
+    model = _model(mixed)
     if WORLD.rank:
         with torch.no_grad():
             for p in model.parameters():
@@ -159,6 +167,15 @@ def _check(model, optimizer, reference, replica, exact):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
+def test_fragments_are_balanced_by_elements_and_staggered():
+    schedule = FragmentSchedule([32, 8, 24, 3], fragments=3, sync_every=5, overlap_steps=0)
+    assert schedule.bounds == [(0, 1), (1, 2), (2, 4)]
+    # offsets 0, 5 // 3 = 1 and 10 // 3 = 3
+    assert [schedule.starting(s) for s in range(0, 11)] == [
+        [], [1], [], [2], [], [0], [1], [], [2], [], [0]]
+    assert FragmentSchedule([1, 1, 100, 1], 2, 4, 0).bounds == [(0, 2), (2, 4)]
+
+
 @pytest.mark.filterwarnings("ignore:With a period of 1")
 def test_sync_every_step_with_plain_outer_sgd_equals_averaging_every_step(world):
     """Outer SGD(lr=1) sets global to global - (global - mean(local)), which is the average up
@@ -176,17 +193,20 @@ def test_sync_every_step_with_plain_outer_sgd_equals_averaging_every_step(world)
     ours.close()
 
 
-@pytest.mark.parametrize("fragments,overlap_steps", [(1, 0), (3, 1)])
+@pytest.mark.parametrize("fragments,overlap_steps,mixed", [(1, 0, False), (3, 1, False),
+                                                          (2, 1, True)])
 def test_equals_the_reference_with_nesterov_fragments_and_overlap(world, fragments,
-                                                                  overlap_steps):
-    model, ours = _diloco(sync_every=6, fragments=fragments, overlap_steps=overlap_steps)
-    reference = Reference([[r] for r in range(world.size)], 6, fragments, overlap_steps)
+                                                                  overlap_steps, mixed):
+    model, ours = _diloco(sync_every=6, fragments=fragments, overlap_steps=overlap_steps,
+                          mixed=mixed)
+    reference = Reference([[r] for r in range(world.size)], 6, fragments, overlap_steps,
+                          mixed=mixed)
     for step in range(1, 15):
         _train(ours, model, 1, first=step)
         reference.step()
     _check(model, ours, reference, world.rank, exact=world.size <= 2)
-    # bytes: every start sends its fragment's float64 deltas (none on one rank)
-    sizes = [sum(p.numel() for p in reference._params(0, f)) * 8 for f in range(fragments)]
+    # bytes: every start sends its fragment's deltas in the parameters' dtypes (none on one rank)
+    sizes = [sum(p.nbytes for p in reference._params(0, f)) for f in range(fragments)]
     starts = [sum(1 for s in range(1, 15) if (s - f * 6 // fragments) % 6 == 0)
               for f in range(fragments)]
     assert ours.bytes_synced == (sum(n * k for n, k in zip(sizes, starts))
@@ -296,7 +316,7 @@ def test_an_outer_optimizer_over_other_parameters_is_refused(world):
 @pytest.mark.mpi(min_size=2)
 def test_a_rank_with_another_model_is_named(world):
     model = _model() if world.rank != 1 else torch.nn.Sequential(
-        torch.nn.Linear(4, 9), torch.nn.Tanh(), torch.nn.Linear(9, 3)).double()
+        torch.nn.Linear(4, 9), torch.nn.Tanh(), torch.nn.Linear(9, 3))
     with pytest.raises(ValueError, match=r"ranks \[1\] differ from rank 0.*parameter 0"):
         DiLoCoOptimizer(_inner(model.parameters()), _outer(model.parameters()), 4)
 
