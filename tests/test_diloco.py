@@ -321,6 +321,13 @@ def test_a_rank_with_another_model_is_named(world):
         DiLoCoOptimizer(_inner(model.parameters()), _outer(model.parameters()), 4)
 
 
+def test_parameters_cannot_be_added_later(world):
+    model, ours = _diloco(sync_every=4)
+    with pytest.raises(NotImplementedError, match=rf"parameters are fixed.*rank {world.rank}"):
+        ours.add_param_group({"params": [torch.zeros(2, requires_grad=True)]})
+    ours.close()
+
+
 def test_a_state_with_other_settings_is_refused(world):
     model, saved = _diloco(sync_every=4)
     state = saved.state_dict()

@@ -216,6 +216,14 @@ class DiLoCoOptimizer(torch.optim.Optimizer, comm.Closeable):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optim.zero_grad(set_to_none=set_to_none)
 
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Refused: the global copy, the fragments and the outer optimizer are fixed at
+        construction. Build a new DiLoCoOptimizer over all the parameters instead."""
+        raise NotImplementedError(
+            "DiLoCoOptimizer.add_param_group: the parameters are fixed at construction (the "
+            "global copy, the fragments and the outer optimizer cover them); build a new "
+            f"DiLoCoOptimizer over all the parameters (rank {self.rank})")
+
     @property
     def inner_steps(self) -> int:
         """The inner steps taken so far (the schedule counts them from 1)."""
