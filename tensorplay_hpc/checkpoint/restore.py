@@ -22,10 +22,14 @@ from .optimizers import Checkpointable, adapter_for
 from .reader import Reader
 from .replicas import Replicas
 from .shared_reads import read_shared
-from .sharded_tensors import load_model
+from .sharded_tensors import OwnRows, is_sharded, load_model
 
-__all__ = ["Plan", "check_model", "combine", "load_into", "prefixes", "saved_replicas",
-           "state_prefix"]
+__all__ = ["Plan", "READ_BATCH_BYTES", "check_model", "combine", "load_into", "prefixes",
+           "saved_replicas", "state_prefix"]
+
+READ_BATCH_BYTES = 64 * 2**20
+"""When a checkpoint fills DTensors (an FSDP2 model or its optimizer), the whole values are read
+and shared in batches of about this many bytes, each cut to the rank's own rows before the next."""
 
 
 def saved_replicas(reader: Reader) -> List[List[int]]:
@@ -91,10 +95,35 @@ class Plan:
     def shared_names(self) -> List[str]:
         names = [fmt.model_name(k, p) for p in self.sources for k in self.model_keys]
         for p in self.sources:
-            prefix = p if self.state_prefix else ""
-            names += [fmt.state_name(i, k, prefix) for i, keys in self.shared_state.items()
+            names += [self.shared_state_name(i, k, p) for i, keys in self.shared_state.items()
                       for k in keys]
         return names
+
+    def shared_state_name(self, index: int, key: str, source: str) -> str:
+        """The dataset of entry ``key`` of parameter ``index``'s shared state in ``source``."""
+        return fmt.state_name(index, key, source if self.state_prefix else "")
+
+    def own_rows(self, reader: Reader, model: Optional[torch.nn.Module],
+                 optimizer: Optional[Checkpointable]) -> OwnRows:
+        """The shared datasets that fill DTensors of ``model`` or of ``optimizer``'s state
+        (entries of a DTensor parameter's shape), and the DTensor each fills."""
+        targets = {}
+        if model is not None:
+            own = model.state_dict()
+            targets.update((fmt.model_name(k, p), own[k]) for p in self.sources
+                           for k in self.model_keys if is_sharded(own[k]))
+        if optimizer is not None and self.shared_state:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            for index, keys in self.shared_state.items():
+                param = params[index] if index < len(params) else None
+                if not is_sharded(param):
+                    continue
+                for key in keys:
+                    for p in self.sources:
+                        name = self.shared_state_name(index, key, p)
+                        if tuple(reader.describe(name)[0]) == tuple(param.shape):
+                            targets[name] = param
+        return OwnRows(targets)
 
 
 def _plan(reader: Reader, sources: List[str], rank: int, model: Optional[torch.nn.Module],
@@ -153,12 +182,13 @@ def load_into(reader: Reader, comm: MPI.Intracomm, replicas: Replicas,
     """
     rank, what = comm.Get_rank(), f"loading checkpoint {reader.path}"
     model = fmt.unwrap_model(model)
-    plan, own_layout = None, False
+    plan, own_layout, rows = None, False, OwnRows({})
     with fail_together(comm, what, fmt.CheckpointError):
         saved = saved_replicas(reader)
         own_layout = len(saved) > 1 and saved == replicas.describe()
         sources = [fmt.replica_prefix(replicas.index, len(saved))] if own_layout else prefixes(reader)
         plan = _plan(reader, sources, rank, model, optimizer)
+        rows = plan.own_rows(reader, model, optimizer)
 
     optimizer_values = {}
     with fail_together(comm, what, fmt.CheckpointError):
@@ -167,7 +197,8 @@ def load_into(reader: Reader, comm: MPI.Intracomm, replicas: Replicas,
     optimizer_values = broadcast_object(optimizer_values, comm)
     sharing = split(comm, replicas.index, rank) if own_layout else comm
     try:
-        shared = read_shared(reader, plan.shared_names(), sharing)
+        shared = read_shared(reader, plan.shared_names(), sharing, keep=rows.cut,
+                             batch_bytes=READ_BATCH_BYTES if rows else None)
     finally:
         if sharing is not comm:
             sharing.Free()
@@ -191,9 +222,8 @@ def load_into(reader: Reader, comm: MPI.Intracomm, replicas: Replicas,
             for index, keys in plan.shared_state.items():
                 entry = dict(optimizer_values[index])
                 for key in keys:
-                    entry[key] = combine([shared[fmt.state_name(index, key, p if plan.state_prefix
-                                                                else "")]
-                                          for p in plan.sources])
+                    names = [plan.shared_state_name(index, key, p) for p in plan.sources]
+                    entry[key] = rows.wrap(names[0], combine([shared[n] for n in names]))
                 state[index] = entry
             for index, tensors in own_state.items():
                 state[index] = {**own_values[index], **tensors}

@@ -5,12 +5,13 @@ The file holds every tensor at its full shape, as for an unsharded model and a p
 ``torch.optim`` optimizer, so it loads at any world size, sharded or not. Saving gathers one
 tensor at a time over its mesh and keeps it only on the rank chosen to write it (the writers
 share the bytes as for a replicated model), so no rank holds more than its share of the full
-tensors plus the one being gathered. Loading reads the whole values as for an unsharded model
-(every rank receives them all) and copies into each rank's DTensors the rows of its own shard.
+tensors plus the one being gathered. Loading reads the whole values in batches, as for an
+unsharded model, and each rank keeps of every value only the rows of its own shard
+(:class:`OwnRows`), so no rank holds more than its shard plus one batch of whole values.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -22,8 +23,8 @@ try:
 except ImportError:    # a PyTorch built without distributed support has no DTensors
     DTensor = Shard = None
 
-__all__ = ["ShardedTensorAdapter", "holds_sharded", "is_sharded", "load_model", "local_part",
-           "writers_share"]
+__all__ = ["OwnRows", "ShardedTensorAdapter", "holds_sharded", "is_sharded", "load_model",
+           "local_part", "writers_share"]
 
 
 def is_sharded(tensor: Any) -> bool:
@@ -73,9 +74,38 @@ def local_part(full: torch.Tensor, like: "DTensor") -> torch.Tensor:
     return part
 
 
+class OwnRows:
+    """What a rank keeps of the checkpoint's whole values that fill DTensors: ``targets`` maps a
+    dataset name to the DTensor it fills (a parameter, or a parameter whose shape an optimizer
+    state entry has); other datasets are kept whole."""
+
+    def __init__(self, targets: Dict[str, "DTensor"]) -> None:
+        self.targets = targets
+
+    def __bool__(self) -> bool:
+        return bool(self.targets)
+
+    def cut(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of dataset ``name``'s whole ``value``, in memory of their own (the
+        whole value can then be freed); ``value`` itself for other datasets. Local."""
+        like = self.targets.get(name)
+        if like is None:
+            return value
+        return local_part(value, like).to(like.dtype).clone()
+
+    def wrap(self, name: str, rows: torch.Tensor) -> torch.Tensor:
+        """The DTensor laid out as dataset ``name``'s target, holding ``rows`` (what :meth:`cut`
+        kept); ``rows`` itself for other datasets. Local."""
+        like = self.targets.get(name)
+        if like is None:
+            return rows
+        return DTensor.from_local(rows, like.device_mesh, like.placements, run_check=False,
+                                  shape=like.shape, stride=like.stride())
+
+
 def load_model(model: nn.Module, values: Dict[str, torch.Tensor]) -> None:
-    """Load whole ``values`` (by state_dict name) into ``model``: a plain ``load_state_dict``
-    unless the model holds DTensors, whose own rows are then copied in. Local."""
+    """Load ``values`` (by state_dict name) into ``model``: whole values, except for the
+    model's DTensors, whose values are this rank's rows (:meth:`OwnRows.cut`). Local."""
     own = model.state_dict()
     if not any(is_sharded(t) for t in own.values()):
         model.load_state_dict(values)
@@ -83,16 +113,13 @@ def load_model(model: nn.Module, values: Dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for name, value in values.items():
             target = own[name]
-            if is_sharded(target):
-                target.to_local().copy_(local_part(value, target))
-            else:
-                target.copy_(value)
+            (target.to_local() if is_sharded(target) else target).copy_(value)
 
 
 class ShardedTensorAdapter(OptimizerAdapter):
     """A ``torch.optim`` optimizer over DTensor parameters (FSDP2's): its state, sharded as
     the parameters are, is saved whole in PyTorch's consolidated structure (loadable into a
-    plain optimizer) and read back whole, each rank keeping its own rows."""
+    plain optimizer) and read back as the parameters' DTensors (see :class:`OwnRows`)."""
 
     replicated = False
 
@@ -107,24 +134,3 @@ class ShardedTensorAdapter(OptimizerAdapter):
             if index in mine:
                 written[index] = entry
         return written
-
-    def load(self, state: State, param_groups: List[Dict[str, Any]], attributes: Dict[str, Any],
-             tensors: Dict[str, torch.Tensor]) -> None:
-        """Load whole ``state``, each DTensor parameter's entries cut to this rank's rows."""
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        local: State = {}
-        for index, entry in state.items():
-            param: Optional[torch.Tensor] = params[index] if index < len(params) else None
-            local[index] = {key: self._sharded_like(value, param) for key, value in entry.items()}
-        super().load(local, param_groups, attributes, tensors)
-
-    @staticmethod
-    def _sharded_like(value: Any, param: Optional[torch.Tensor]) -> Any:
-        """``value`` as a DTensor laid out as ``param`` when it is a whole value of its shape
-        (Adam's moments); as it is otherwise (step counters, plain parameters)."""
-        if not (is_sharded(param) and isinstance(value, torch.Tensor)
-                and tuple(value.shape) == tuple(param.shape)):
-            return value
-        return DTensor.from_local(local_part(value, param).to(param.dtype).clone(),
-                                  param.device_mesh, param.placements, run_check=False,
-                                  shape=param.shape, stride=param.stride())

@@ -1,9 +1,10 @@
 """Datasets that several ranks need, read once: the ranks split the reading by bytes, each checks
-the checksums of what it read, and each reader broadcasts its datasets' raw bytes in one buffer."""
+the checksums of what it read, and each reader broadcasts its datasets' raw bytes in one buffer
+(per batch, when the values are cut to each rank's part as they arrive)."""
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -30,24 +31,60 @@ def _views(buffer: np.ndarray, layout: Sequence[tuple]) -> List[np.ndarray]:
     return views
 
 
-def read_shared(reader: Reader, names: Sequence[str], comm: MPI.Intracomm) -> Dict[str, torch.Tensor]:
+def read_shared(reader: Reader, names: Sequence[str], comm: MPI.Intracomm,
+                keep: Optional[Callable[[str, torch.Tensor], torch.Tensor]] = None,
+                batch_bytes: Optional[int] = None) -> Dict[str, torch.Tensor]:
     """Every dataset of ``names`` on every rank of ``comm``, each read from the file by one rank.
     Collective over ``comm``; every rank passes the same ``names``.
+
+    ``keep(name, value)`` gives what this rank keeps of each value (its own rows of a sharded
+    tensor, say); with ``batch_bytes`` the datasets are read and shared in batches of about that
+    many bytes, each batch's whole values freed once ``keep`` has cut them, so a rank never
+    holds much more than one batch of whole values.
 
     Raises:
         CheckpointError: on every rank, naming the datasets and the ranks that failed.
     """
-    rank, what = comm.Get_rank(), f"loading checkpoint {reader.path}"
+    what = f"loading checkpoint {reader.path}"
     try:
         check_consistent(comm, "the datasets every rank reads", [(name, "") for name in names])
     except ValueError as failure:
         raise fmt.CheckpointError(f"{what}: {failure}") from None
-    layout, sizes, readers = [], [], []
+    layout: List[tuple] = []
     with fail_together(comm, what, fmt.CheckpointError):
         layout = [reader.describe(name) for name in names]
-        sizes = [math.prod(shape) * fmt.numpy_dtype(dtype).itemsize for shape, dtype in layout]
-        readers = assign_writers(sizes, comm.Get_size())
+    sizes = [math.prod(shape) * fmt.numpy_dtype(dtype).itemsize for shape, dtype in layout]
+    tensors: Dict[str, torch.Tensor] = {}
+    for batch in _batches(sizes, batch_bytes):
+        shared = _read_batch(reader, [names[i] for i in batch], [layout[i] for i in batch],
+                             [sizes[i] for i in batch], comm)
+        for name, value in shared.items():
+            tensors[name] = keep(name, value) if keep is not None else value
+    return tensors
 
+
+def _batches(sizes: Sequence[int], batch_bytes: Optional[int]) -> List[List[int]]:
+    """Consecutive positions of ``sizes`` in batches of at most ``batch_bytes`` (a larger item
+    alone); one batch of them all without a limit."""
+    if batch_bytes is None:
+        return [list(range(len(sizes)))]
+    batches: List[List[int]] = []
+    total = 0
+    for position, size in enumerate(sizes):
+        if not batches or total + size > batch_bytes:
+            batches.append([])
+            total = 0
+        batches[-1].append(position)
+        total += size
+    return batches
+
+
+def _read_batch(reader: Reader, names: Sequence[str], layout: Sequence[tuple],
+                sizes: Sequence[int], comm: MPI.Intracomm) -> Dict[str, torch.Tensor]:
+    """The datasets ``names``, each read by one rank (spread by bytes) and broadcast in one
+    buffer per reading rank. Collective over ``comm``."""
+    rank, what = comm.Get_rank(), f"loading checkpoint {reader.path}"
+    readers = assign_writers(sizes, comm.Get_size())
     buffers: Dict[int, np.ndarray] = {}
     for root in range(comm.Get_size()):
         mine = [i for i, r in enumerate(readers) if r == root]
