@@ -5,7 +5,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from .config import COMM_HOOKS, DEVICES, INNER_OPTIMIZERS, OPTIMIZERS, TrainConfig, UsageError
+from .config import (COMM_HOOKS, DELTA_DTYPES, DEVICES, INNER_OPTIMIZERS, OPTIMIZERS, TrainConfig,
+                     UsageError)
 from .extras import require_train_extras
 from .preemption import EXIT_PREEMPTED, Preemption
 
@@ -33,7 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     option(what, "--optimizer", "zero: DDP + ZeroRedundancyOptimizer; postlocal: post-local SGD "
            "with periodic model averaging; ddp: DDP + a plain optimizer; local: a plain "
            "optimizer, gradients averaged by one allreduce; fsdp: PyTorch's FSDP2 over MPI "
-           "(ZeRO-3); hsdp: FSDP2 sharded within each node, replicated across nodes",
+           "(ZeRO-3); hsdp: FSDP2 sharded within each node, replicated across nodes; diloco: "
+           "each rank steps --inner on its own, and every --sync-every steps the ranks "
+           "average their models' changes and an outer Nesterov SGD applies them",
            choices=OPTIMIZERS)
     option(what, "--inner", "the torch.optim optimizer inside", choices=INNER_OPTIMIZERS)
     option(what, "--lr", "learning rate", type=float)
@@ -48,6 +51,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
            "fp16 or bf16 (compressed to 16 bits), powersgd (low-rank compression with error "
            "feedback), hierarchical (within nodes, then across them)", choices=COMM_HOOKS)
     option(what, "--powersgd-rank", "powersgd: rank of the gradient approximation", type=int)
+    option(what, "--sync-every", "diloco: inner steps between two syncs of each fragment",
+           type=int)
+    option(what, "--outer-lr", "diloco: learning rate of the outer SGD", type=float)
+    option(what, "--outer-momentum", "diloco: Nesterov momentum of the outer SGD", type=float)
+    option(what, "--fragments", "diloco: parts of the model synced in turn, each every "
+           "--sync-every steps, staggered", type=int)
+    option(what, "--delta-dtype", "diloco: the type the model changes are averaged in",
+           choices=DELTA_DTYPES)
+    option(what, "--overlap-steps", "diloco: inner steps a sync runs behind, overlapped with "
+           "them, before it is applied (0: applied at once)", type=int)
     model = parser.add_argument_group("model")
     option(model, "--layers", "transformer blocks", type=int)
     option(model, "--width", "embedding width", type=int)

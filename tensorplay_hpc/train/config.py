@@ -6,12 +6,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-__all__ = ["COMM_HOOKS", "DEVICES", "INNER_OPTIMIZERS", "OPTIMIZERS", "TrainConfig", "UsageError"]
+__all__ = ["COMM_HOOKS", "DELTA_DTYPES", "DEVICES", "INNER_OPTIMIZERS", "OPTIMIZERS", "TrainConfig",
+           "UsageError"]
 
-OPTIMIZERS = ("zero", "postlocal", "ddp", "local", "fsdp", "hsdp")
+OPTIMIZERS = ("zero", "postlocal", "ddp", "local", "fsdp", "hsdp", "diloco")
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd", "hierarchical")
 INNER_OPTIMIZERS = ("sgd", "adam", "adamw")
 DEVICES = ("cpu", "cuda")
+DELTA_DTYPES = ("float32", "bfloat16", "float16")
 
 # Settings that shape the model and the optimizer's state: a run resumes only from a checkpoint
 # written with the same values.
@@ -42,6 +44,12 @@ class TrainConfig:
     warmup_steps: int = 50
     comm_hook: str = "none"
     powersgd_rank: int = 4
+    sync_every: int = 64
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    fragments: int = 1
+    delta_dtype: str = "float32"
+    overlap_steps: int = 0
     eval_every: int = 100
     eval_batches: int = 4
     run_dir: Path = Path("run")
@@ -62,7 +70,7 @@ class TrainConfig:
         self.trace = None if self.trace is None else Path(self.trace)
         self.checkpoint_dir = Path(self.checkpoint_dir or self.run_dir / "checkpoints")
         choices = {"optimizer": OPTIMIZERS, "inner": INNER_OPTIMIZERS, "device": DEVICES,
-                   "comm_hook": COMM_HOOKS}
+                   "comm_hook": COMM_HOOKS, "delta_dtype": DELTA_DTYPES}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of "
@@ -72,20 +80,25 @@ class TrainConfig:
                              "DistributedDataParallel kinds; postlocal has its own hook), got "
                              f"--optimizer {self.optimizer}")
         for name in ("batch_size", "layers", "width", "heads", "context", "average_period",
-                     "eval_batches", "powersgd_rank"):
+                     "eval_batches", "powersgd_rank", "sync_every", "fragments"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, "
                                  f"got {getattr(self, name)}")
         for name in ("steps", "warmup_steps", "eval_every", "checkpoint_every", "keep", "threads",
-                     "collective_timeout", "log_every"):
+                     "collective_timeout", "log_every", "overlap_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must not be negative, "
                                  f"got {getattr(self, name)}")
         if not math.isfinite(self.collective_timeout):
             raise ValueError(f"--collective-timeout must be a number of seconds, got "
                              f"{self.collective_timeout}")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"--lr must be a positive number, got {self.lr}")
+        for name in ("lr", "outer_lr"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive number, "
+                                 f"got {getattr(self, name)}")
+        if not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"--outer-momentum must be at least 0 and below 1, got "
+                             f"{self.outer_momentum}")
         if self.width % self.heads:
             raise ValueError(f"--width {self.width} is not a multiple of --heads {self.heads}")
 

@@ -139,7 +139,7 @@ class Run(comm.Closeable):
             try:
                 with trace.caller("checkpoint load"):
                     return path, checkpoint.load(path, model=self.strategy.module,
-                                                 optimizer=self.strategy.optimizer,
+                                                 optimizer=self.strategy.checkpointed_optimizer,
                                                  process_group=self.world,
                                                  replica_group=self.strategy.replica_group)
             except checkpoint.CheckpointError as error:
@@ -195,9 +195,10 @@ class Run(comm.Closeable):
         path = str(self.config.checkpoint_dir / f"step-{step:07d}.h5")
         started = time.perf_counter()
         extra = {"step": step, "config": {**self.config.describe(), "ranks": self.group.size},
-                 "history": self.history.to_extra(), **self.strategy.hook_extra()}
-        state = dict(model=self.strategy.module, optimizer=self.strategy.optimizer, extra=extra,
-                     keep=self.config.keep or None, replica_group=self.strategy.replica_group)
+                 "history": self.history.to_extra(), **self.strategy.checkpoint_extra()}
+        state = dict(model=self.strategy.module, optimizer=self.strategy.checkpointed_optimizer,
+                     extra=extra, keep=self.config.keep or None,
+                     replica_group=self.strategy.replica_group)
         with trace.caller("checkpoint save"), trace.span("checkpoint save", "io"):
             if background:
                 if self._checkpointer is None:

@@ -12,6 +12,9 @@
   optimizer state sharded), and a plain optimizer over the sharded parameters.
 - ``hsdp``: the same on a 2-D (replicate, shard) mesh: a replica per node, sharded within it
   (see :mod:`.mesh`).
+- ``diloco``: a plain model on each rank, trained by the inner optimizer on the rank's own
+  batches; DiLoCoOptimizer averages the models' changes every ``sync_every`` steps and steps an
+  outer Nesterov SGD over them. Between syncs every rank holds a replica of its own.
 
 ``--comm-hook`` gives the DistributedDataParallel of ``zero`` and ``ddp`` another way to average
 gradients: 16-bit compression, PowerSGD (its error feedback and factors travel in checkpoints,
@@ -38,10 +41,12 @@ from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook imp
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
     PowerSGDState, powerSGD_hook)
 from tensorplay_hpc.distributed.algorithms.model_averaging import averagers
-from tensorplay_hpc.distributed.optim import PostLocalSGDOptimizer, ZeroRedundancyOptimizer
+from tensorplay_hpc.distributed.optim import (DiLoCoOptimizer, PostLocalSGDOptimizer,
+                                              ZeroRedundancyOptimizer)
 from tensorplay_hpc.distributed.parallel import DistributedDataParallel
 
-from .config import TrainConfig
+from .config import TrainConfig, UsageError
+from .diloco_state import diloco_extra, load_diloco_extra
 from .mesh import TorchDistributed
 
 __all__ = ["INNER", "POWER_SGD_PREFIX", "Strategy", "build", "inner_defaults"]
@@ -75,32 +80,58 @@ class Strategy:
     owned: List[comm.Closeable] = field(default_factory=list)
     _hook_state: Optional[PostLocalSGDState] = None
     _power_sgd: Optional[PowerSGDState] = None
+    _own_replica: Optional[comm.ProcessGroup] = None
+    _diloco: Optional[DiLoCoOptimizer] = None
 
     def close(self) -> None:
         """Free the communicators of the model wrapper, the optimizer and the hook. Collective."""
         for owner in self.owned:
             owner.close()
 
-    def hook_extra(self) -> Dict[str, Any]:
-        """What the communication hook needs in this rank's checkpoint extras to resume
-        exactly: PowerSGD's state, under keys starting with :data:`POWER_SGD_PREFIX`."""
+    @property
+    def checkpointed_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer checkpoints hold: DiLoCo's inner one (the rest of DiLoCo's state is
+        in :meth:`checkpoint_extra`), else :attr:`optimizer`."""
+        return self.optimizer if self._diloco is None else self._diloco.optim
+
+    def checkpoint_extra(self) -> Dict[str, Any]:
+        """What the communication hook or DiLoCo needs in this rank's checkpoint extras to
+        resume exactly: PowerSGD's state, under keys starting with :data:`POWER_SGD_PREFIX`;
+        DiLoCo's outer optimizer, global copy and schedule (see :mod:`.diloco_state`).
+        Collective for ``diloco`` with a sync in flight."""
+        if self._diloco is not None:
+            return diloco_extra(self._diloco)
         if self._power_sgd is None:
             return {}
         return self._power_sgd.state_dict(prefix=POWER_SGD_PREFIX)
 
     def resumed_at(self, step: int, extra: Dict[str, Any]) -> None:
         """Bring the hooks' state to ``step``: the post-local hook's warm-up counter, and
-        PowerSGD's state from ``extra`` when the checkpoint has it (else it warms up again)."""
+        PowerSGD's state from ``extra`` when the checkpoint has it (else it warms up again);
+        DiLoCo's state from ``extra``, keeping the outer hyperparameters of the command line
+        (:class:`UsageError` if the checkpoint has none). Collective for ``diloco``."""
         if self._hook_state is not None:
             self._hook_state.iter = min(step, self._hook_state.start_localSGD_iter)
         if self._power_sgd is not None and any(k.startswith(POWER_SGD_PREFIX) for k in extra):
             self._power_sgd.load_state_dict(extra, prefix=POWER_SGD_PREFIX)
+        if self._diloco is not None:
+            outer = self._diloco.outer_optimizer
+            wanted = [{k: v for k, v in g.items() if k != "params"} for g in outer.param_groups]
+            try:
+                load_diloco_extra(self._diloco, extra)
+            except KeyError as error:   # the same extras on every rank
+                raise UsageError(f"--optimizer diloco --resume: {error.args[0]}") from None
+            for group, hyperparameters in zip(outer.param_groups, wanted):
+                group.update(hyperparameters)
 
     @property
     def replica_group(self) -> Optional[MPI.Intracomm]:
         """The ranks whose parameters and optimizer state equal this rank's at every step:
         post-local SGD's subgroup (the node), since between averagings the nodes' replicas
-        differ; ``None`` (all ranks) for the other kinds. Checkpoints save one copy per group."""
+        differ; this rank alone for ``diloco``, whose ranks train apart between syncs; ``None``
+        (all ranks) for the other kinds. Checkpoints save one copy per group."""
+        if self._own_replica is not None:
+            return self._own_replica.comm
         state = self._hook_state
         return None if state is None else state.subgroup
 
@@ -110,6 +141,25 @@ POWER_SGD_PREFIX = "powerSGD."
 
 def _gradients_already_averaged() -> None:
     """DistributedDataParallel averaged the gradients during ``backward()``."""
+
+
+def _gradients_stay_local() -> None:
+    """Each rank steps on its own gradients; the optimizer syncs the models now and then."""
+
+
+def _diloco(module: nn.Module, config: TrainConfig, group: comm.ProcessGroup) -> Strategy:
+    """``diloco``: the inner optimizer and an outer SGD with Nesterov momentum, both over the
+    model's parameters, in a DiLoCoOptimizer. Collective over ``group``."""
+    inner = INNER[config.inner](module.parameters(), **inner_defaults(config))
+    outer = torch.optim.SGD(module.parameters(), lr=config.outer_lr,
+                            momentum=config.outer_momentum, nesterov=config.outer_momentum > 0)
+    delta_dtype = None if config.delta_dtype == "float32" else getattr(torch, config.delta_dtype)
+    optimizer = DiLoCoOptimizer(inner, outer, config.sync_every, process_group=group.parent,
+                                fragments=config.fragments, delta_dtype=delta_dtype,
+                                overlap_steps=config.overlap_steps)
+    own_replica = comm.ProcessGroup(MPI.COMM_SELF, owner="the training run's diloco replica")
+    return Strategy(module, module, optimizer, _gradients_stay_local, [optimizer, own_replica],
+                    _own_replica=own_replica, _diloco=optimizer)
 
 
 def _register_comm_hook(model: DistributedDataParallel, config: TrainConfig,
@@ -158,6 +208,8 @@ def build(module: nn.Module, config: TrainConfig, group: comm.ProcessGroup) -> S
     inner, defaults = INNER[config.inner], inner_defaults(config)
     if config.optimizer in ("fsdp", "hsdp"):
         return _fully_sharded(module, config, group)
+    if config.optimizer == "diloco":
+        return _diloco(module, config, group)
     if config.optimizer == "local":
         comm.broadcast_coalesced([p.detach() for p in module.parameters()], group.comm, root=0)
         params = [p for p in module.parameters() if p.requires_grad]
