@@ -6,11 +6,11 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from tensorplay_hpc.comm.mpi import MPI
 
 from tensorplay_hpc import comm
 from tensorplay_hpc.comm.agreement import fail_together
 from tensorplay_hpc.comm.communicators import split
+from tensorplay_hpc.comm.mpi import MPI
 from tensorplay_hpc.distributed.optim.fragment_schedule import FragmentSchedule
 
 __all__ = ["DiLoCoOptimizer"]
@@ -59,8 +59,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer, comm.Closeable):
             taken, then the fragment becomes ``new_global + (local_now - local_at_sync)``;
             below ``sync_every // fragments``.
         node_local: the ranks of a node average their gradients at every step (data
-            parallelism inside the node) and DiLoCo runs between the nodes. Needs the same
-            number of ranks on every node.
+            parallelism inside the node; the ranks of a node must hold gradients for the same
+            parameters) and DiLoCo runs between the nodes. Needs the same number of ranks on
+            every node.
 
     Attributes:
         bytes_synced: the bytes this rank has handed to the deltas' allreduces so far (16-bit
@@ -68,6 +69,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer, comm.Closeable):
             none on one rank).
 
     Raises:
+        TypeError: ``optim`` or ``outer_optimizer`` is not a ``torch.optim.Optimizer``.
         ValueError: a bad setting, an outer optimizer over other parameters, unequal nodes with
             ``node_local``, or ranks whose settings or parameters (shapes, dtypes) differ; on
             every rank, naming the rank(s).
