@@ -8,6 +8,7 @@ import sys
 import time
 
 import torch
+from mpi4py import MPI
 
 from tensorplay_hpc import comm
 from tensorplay_hpc.comm.abort import abort_on_exception
@@ -15,6 +16,7 @@ from tensorplay_hpc.comm.abort import abort_on_exception
 
 def main(mode):
     abort_on_exception()
+    MPI.COMM_WORLD.Barrier()    # start together: under load, the ranks' imports end seconds apart
     group = comm.ProcessGroup()
     comm.all_reduce(torch.ones(4), group.comm)          # everyone arrives once
     if group.rank == group.size - 1:

@@ -192,12 +192,13 @@ def test_watchdog_report_lists_every_ranks_last_operations():
     report = run.stderr
     comm_name = r"MPI_COMM_WORLD \(private duplicate\) of 2 ranks"
     assert re.search(r"\[rank 0\] collective timeout: all_reduce \(collective #2\).*Aborting the "
-                     r"job\. This rank's last operations, oldest first:\n"
+                     r"job\. This rank's last operations, oldest first:\n(?:\[rank 0\]   .*\n)*"
                      rf"\[rank 0\]   all_reduce 16 B on {comm_name} \[MainThread\]: took [0-9.]+ ms, "
                      r"ended [0-9.]+ s ago\n"
                      rf"\[rank 0\]   all_reduce 16 B on {comm_name} \[MainThread\]: running for "
                      r"[0-9.]+ s\n", report), report
     assert re.search(r"\[rank 1\] asked by rank 0 of communicator .* about a stalled collective; "
                      r"this rank has entered 1 collectives there\. Its last operations, oldest "
-                     rf"first:\n\[rank 1\]   all_reduce 16 B on {comm_name} \[MainThread\]: took "
+                     rf"first:\n(?:\[rank 1\]   .*\n)*\[rank 1\]   all_reduce 16 B on {comm_name} "
+                     r"\[MainThread\]: took "
                      r"[0-9.]+ ms, ended [0-9.]+ s ago\n", report), report

@@ -31,6 +31,7 @@ import numpy as np
 from tensorplay_hpc.comm.mpi import MPI
 
 from tensorplay_hpc.comm.agreement import fail_together
+from tensorplay_hpc.comm.communicators import close_file, open_file
 from tensorplay_hpc.comm.small_collectives import (all_gather_object, barrier, broadcast_array,
                                                    broadcast_object, gather_array, quiet_barrier)
 
@@ -232,7 +233,7 @@ def _open_for_writing(temporary: str) -> MPI.File:
             folder), else ``EIO`` with MPI-IO's own.
     """
     try:
-        return MPI.File.Open(MPI.COMM_SELF, temporary, MPI.MODE_WRONLY)
+        return open_file(MPI.COMM_SELF, temporary, MPI.MODE_WRONLY)
     except MPI.Exception as failure:
         os.close(os.open(temporary, os.O_WRONLY))
         raise OSError(errno.EIO, f"MPI-IO cannot open the file: {failure}") from None
@@ -265,7 +266,7 @@ def write_own(temporary: str, catalog: Catalog, offsets: np.ndarray, first_row: 
         finally:
             os.close(fd)
     finally:
-        handle.Close()
+        close_file(handle, MPI.COMM_SELF)
     return crcs
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import List
 
-from .communicators import duplicate, split_by_node
+from .communicators import allocate_window, duplicate, free, free_window, split_by_node
 from .library import thread_level, thread_level_name
 from .mpi import MPI
 from .small_collectives import all_gather_object, all_reduce_object
@@ -45,7 +45,7 @@ def within_one_node(communicator: MPI.Intracomm) -> bool:
         return all_reduce_object(node.Get_size() == communicator.Get_size(), communicator,
                                  MPI.LAND)
     finally:
-        node.Free()
+        free(node)
 
 
 def one_sided_works(communicator: MPI.Intracomm) -> bool:
@@ -54,15 +54,15 @@ def one_sided_works(communicator: MPI.Intracomm) -> bool:
     probe = duplicate(communicator)
     try:
         try:
-            window = MPI.Win.Allocate(8, disp_unit=1, comm=probe)
+            window = allocate_window(probe, 8, shared=False)
         except MPI.Exception:
             made = False
         else:
-            window.Free()
+            free_window(window, probe)
             made = True
         return all_reduce_object(made, probe, MPI.LAND)
     finally:
-        probe.Free()
+        free(probe)
 
 
 def requested_transport() -> str:

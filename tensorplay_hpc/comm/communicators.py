@@ -1,12 +1,19 @@
-"""Making communicators (``Dup``, ``Split``, ``Split_type``): collective calls that hang when a
-rank skips them, so the library makes them here, under the :mod:`.watchdog` and recorded by the
-:mod:`.trace`. Each function is collective over ``comm``; the caller frees what it returns."""
+"""Making and freeing what belongs to the ranks of a communicator together: communicators
+(``Dup``, ``Split``, ``Split_type``, ``Create_group``, ``Free``), one-sided windows
+(``Win.Allocate``, ``Win.Allocate_shared``, ``Win.Free``) and MPI-IO files (``File.Open``,
+``File.Close``). These are collective calls that hang when a rank skips them, so the library makes
+them here, under the :mod:`.watchdog` and recorded by the :mod:`.trace`. Each function is
+collective over the communicator it takes; the caller frees what it returns, with the matching
+function here."""
 from __future__ import annotations
+
+from typing import Optional
 
 from . import trace, watchdog
 from .mpi import MPI
 
-__all__ = ["create_group", "duplicate", "split", "split_by_node"]
+__all__ = ["allocate_window", "close_file", "create_group", "duplicate", "free", "free_window",
+           "open_file", "split", "split_by_node"]
 
 
 def _watched(name: str, comm: MPI.Intracomm, counted: bool = True):
@@ -37,3 +44,41 @@ def split_by_node(comm: MPI.Intracomm) -> MPI.Intracomm:
     """The ranks of ``comm`` that share this rank's node (``Split_type(COMM_TYPE_SHARED)``)."""
     with _watched("Split_type", comm):
         return comm.Split_type(MPI.COMM_TYPE_SHARED)
+
+
+def free(comm: MPI.Comm) -> None:
+    """Free a communicator made by a function here (``Free``)."""
+    with _watched("Free", comm):
+        comm.Free()
+
+
+def allocate_window(comm: MPI.Intracomm, nbytes: int, shared: bool,
+                    info: Optional[MPI.Info] = None) -> MPI.Win:
+    """A window of ``nbytes`` (each rank its own count, 0 allowed) of memory that MPI allocates
+    on this rank, addressed in bytes: in memory the node's ranks share (``Win.Allocate_shared``,
+    every rank on one node) or not (``Win.Allocate``). Free it with :func:`free_window`."""
+    info = MPI.INFO_NULL if info is None else info
+    if shared:
+        with _watched("Win.Allocate_shared", comm):
+            return MPI.Win.Allocate_shared(nbytes, disp_unit=1, info=info, comm=comm)
+    with _watched("Win.Allocate", comm):
+        return MPI.Win.Allocate(nbytes, disp_unit=1, info=info, comm=comm)
+
+
+def free_window(window: MPI.Win, comm: MPI.Intracomm) -> None:
+    """Free ``window``, made over ``comm`` by :func:`allocate_window` (``Win.Free``)."""
+    with _watched("Win.Free", comm):
+        window.Free()
+
+
+def open_file(comm: MPI.Intracomm, path: str, mode: int) -> MPI.File:
+    """``path`` opened through MPI-IO by the ranks of ``comm`` (``File.Open``), with the
+    ``MPI.MODE_*`` flags ``mode``. Close it with :func:`close_file`."""
+    with _watched("File.Open", comm):
+        return MPI.File.Open(comm, path, mode)
+
+
+def close_file(handle: MPI.File, comm: MPI.Intracomm) -> None:
+    """Close ``handle``, opened over ``comm`` by :func:`open_file` (``File.Close``)."""
+    with _watched("File.Close", comm):
+        handle.Close()

@@ -10,7 +10,7 @@ from typing import Optional, Tuple
 
 import torch
 from . import library
-from .communicators import split_by_node
+from .communicators import free, split_by_node
 from .mpi import MPI
 
 __all__ = ["CUDA_AWARE_ENV", "cuda_awareness", "device_for_rank", "is_cuda_aware", "local_rank"]
@@ -37,7 +37,7 @@ def local_rank(comm: Optional[MPI.Intracomm] = None) -> int:
     try:
         return node.Get_rank()
     finally:
-        node.Free()
+        free(node)
 
 
 def device_for_rank(comm: Optional[MPI.Intracomm] = None) -> torch.device:

@@ -9,7 +9,7 @@ from .mpi import MPI
 
 from . import lifetime, watchdog
 from .abort import abort_on_uncaught
-from .communicators import duplicate
+from .communicators import duplicate, free
 
 __all__ = ["ProcessGroup", "is_member", "resolve"]
 
@@ -50,7 +50,7 @@ def _free(comm: MPI.Comm, token: int) -> None:
     """Stop watching ``comm`` and free it. Collective."""
     if not MPI.Is_finalized() and comm != MPI.COMM_NULL:
         watchdog.unregister(comm)
-        comm.Free()
+        free(comm)
     lifetime.untrack(token)
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
-from .communicators import split_by_node
+from .communicators import free, split_by_node
 from .mpi import MPI
 from .small_collectives import all_gather_object, all_reduce_object
 
@@ -30,7 +30,7 @@ class NodeLayout:
         try:
             lowest = all_reduce_object(self.rank, shared, MPI.MIN)
         finally:
-            shared.Free()
+            free(shared)
         lowest_of = all_gather_object(lowest, communicator)
         self.nodes: Tuple[Tuple[int, ...], ...] = tuple(
             tuple(r for r, first in enumerate(lowest_of) if first == node_first)

@@ -3,8 +3,9 @@ operation, on which communicator, which ranks have not arrived) and the job is a
 
 Enabled by ``TENSORPLAY_HPC_COLLECTIVE_TIMEOUT`` (seconds) or :func:`enable`. Each rank counts,
 for every :class:`~.group.ProcessGroup` made while it is enabled, the collectives it has
-entered on it (a local increment). A background thread per process checks the running
-collectives against the timeout and, on a private duplicate of each watched communicator,
+entered on it (a local increment). A background thread per process, started by the first
+collective or process group while the watchdog is enabled, checks the running collectives
+against the timeout and, on a private duplicate of each watched communicator,
 answers other ranks' queries for its count (point-to-point messages of one integer, polled a
 few times a second). When a collective stalls, the stalled rank asks every rank for its count,
 with a bounded wait, and names the ranks whose count is behind and those that did not answer.
@@ -13,7 +14,8 @@ collective, or which compute span of the training job, each rank was in.
 
 A collective on a communicator that no process group made (a user's communicator, the ``Dup``
 that makes a group) is counted on a watched communicator with the same ranks, if there is one;
-otherwise it is still aborted on time, but the late ranks cannot be named.
+otherwise (as before the first process group exists) it is still aborted on time, but the late
+ranks cannot be named.
 
 Asking needs ``MPI_THREAD_MULTIPLE`` (the thread talks while the main thread is inside the
 collective). Below it the watchdog still aborts on time, but says that the late ranks cannot be
@@ -49,7 +51,8 @@ _timeout: Optional[float] = None
 
 
 def enable(timeout: float) -> None:
-    """Watch every collective of process groups made from now on; abort after ``timeout`` s."""
+    """Watch every collective from now on (and count those of process groups made from now on);
+    abort after ``timeout`` s."""
     global _timeout
     if timeout <= 0:
         raise ValueError(f"the collective timeout must be positive, got {timeout}")
@@ -119,9 +122,10 @@ class ArrivalCounter:
         return [None if rank in pending else int(answers[rank]) for rank in range(size)]
 
     def free(self) -> None:
+        """Free the private duplicate. Collective."""
         if self.queries is not None:
             queries, self.queries = self.queries, None
-            queries.Free()
+            communicators.free(queries)
 
 
 def world_ranks(comm: MPI.Comm) -> Tuple[int, ...]:
@@ -160,7 +164,7 @@ class _Watch:
         _running.discard(self)
 
 
-_lock = threading.RLock()      # held while serving, and while a counter is freed
+_lock = threading.RLock()      # held while serving, and while a counter leaves the table
 _counters: Dict[int, ArrivalCounter] = {}
 _running: Set[_Watch] = set()
 _stop = threading.Event()
@@ -226,29 +230,36 @@ def _stop_thread() -> None:
         _thread.join()
 
 
+def _start() -> None:
+    """Start the thread, once, and keep the trace's ring of recent operations for its reports.
+    Local."""
+    global _thread
+    with _lock:
+        if _thread is None:
+            trace.keep_recent()
+            _thread = threading.Thread(target=_run, name="tensorplay_hpc-watchdog", daemon=True)
+            _thread.start()
+            atexit.register(_stop_thread)
+
+
 def register(comm: MPI.Intracomm, name: str) -> Optional[ArrivalCounter]:
     """Watch the collectives on ``comm`` if the watchdog is on (and start the thread).
     Collective."""
-    global _thread
     if timeout() is None:
         return None
     counter = ArrivalCounter(comm, name)
-    trace.keep_recent()
     with _lock:
         _counters[comm.handle] = counter
-    if _thread is None:
-        _thread = threading.Thread(target=_run, name="tensorplay_hpc-watchdog", daemon=True)
-        _thread.start()
-        atexit.register(_stop_thread)
+    _start()
     return counter
 
 
 def unregister(comm: MPI.Intracomm) -> None:
     """Stop watching ``comm`` and free its private duplicate. Collective."""
-    with _lock:
+    with _lock:     # once out of the table, no thread serves queries on it
         counter = _counters.pop(comm.handle, None)
-        if counter is not None:
-            counter.free()
+    if counter is not None:     # outside the lock, which the thread needs to abort a stalled free
+        counter.free()
 
 
 def forget(comm: MPI.Intracomm) -> None:
@@ -263,13 +274,15 @@ _UNWATCHED = nullcontext()
 def watched(operation: str, comm: MPI.Intracomm,
             within: ContextManager = _UNWATCHED, counted: bool = True) -> ContextManager:
     """A context in which to run a blocking collective on ``comm`` under the watchdog, entering
-    ``within`` (the collective's trace entry) inside it; until the watchdog has started (the
-    first process group made while it is enabled), ``within`` itself, so that an unwatched
-    collective pays for one context only.
+    ``within`` (the collective's trace entry) inside it; while the watchdog is off, ``within``
+    itself, so that an unwatched collective pays for one context only. The first collective
+    watched starts the watchdog's thread, even before any process group exists.
     ``counted=False``: not every rank of ``comm`` takes part (``Create_group``), so the call is
     not counted, and only aborted on time."""
     if _thread is None:
-        return within
+        if timeout() is None:
+            return within
+        _start()
     counter = _counters.get(comm.handle) if counted else None
     if counter is None and counted:
         counter = _counter_with_ranks(comm)

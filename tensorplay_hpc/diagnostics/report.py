@@ -18,7 +18,7 @@ import torch
 import tensorplay_hpc
 from tensorplay_hpc.comm import capabilities, library
 from tensorplay_hpc.comm.cuda import cuda_awareness
-from tensorplay_hpc.comm.communicators import split_by_node
+from tensorplay_hpc.comm.communicators import free, split_by_node
 from tensorplay_hpc.comm.mpi import MPI
 from tensorplay_hpc.comm.small_collectives import all_gather_object, all_reduce_object
 
@@ -48,7 +48,7 @@ def _windows(world: MPI.Intracomm) -> Dict[str, Optional[bool]]:
     try:
         within = all_reduce_object(capabilities.one_sided_works(node), world, MPI.LAND)
     finally:
-        node.Free()
+        free(node)
     one_node = capabilities.within_one_node(world)
     across = None if one_node else capabilities.one_sided_works(world)
     return {"within_a_node": within, "across_nodes": across}

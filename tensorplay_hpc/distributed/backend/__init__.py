@@ -18,8 +18,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from tensorplay_hpc.comm.communicators import create_group
-from tensorplay_hpc.comm.communicators import create_group
+from tensorplay_hpc.comm.communicators import create_group, free
 from tensorplay_hpc.comm.group import ProcessGroup
 from tensorplay_hpc.comm.mpi import MPI
 
@@ -67,7 +66,7 @@ def _create(options: Any, backend_options: Any) -> MPIProcessGroup:
         members.Free()
         chosen.Free()
         group = ProcessGroup(created, owner=owner)
-        created.Free()
+        free(created)
     if (group.rank, group.size) != (options.group_rank, options.group_size):
         raise RuntimeError(f"{BACKEND_NAME} group {name!r}: MPI made rank {group.rank} of "
                            f"{group.size}, torch.distributed expected {options.group_rank} of "

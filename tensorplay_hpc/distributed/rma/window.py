@@ -21,6 +21,7 @@ from typing import Dict, Iterator, Optional, Tuple
 import torch
 
 from tensorplay_hpc.comm import chunking, lifetime, staging, trace
+from tensorplay_hpc.comm.communicators import allocate_window, free_window
 from tensorplay_hpc.comm.dtypes import move_datatype, reduce_dtype
 from tensorplay_hpc.comm.mpi import MPI
 
@@ -49,13 +50,12 @@ class Window:
     """
 
     def __init__(self, communicator: MPI.Intracomm, nbytes: int, shared: bool) -> None:
+        info = MPI.Info.Create()
         if shared:
-            info = MPI.Info.Create()
             info.Set("alloc_shared_noncontig", "true")  # each rank's part on its own pages
-            self.win = MPI.Win.Allocate_shared(nbytes, disp_unit=1, info=info, comm=communicator)
-            info.Free()
-        else:
-            self.win = MPI.Win.Allocate(nbytes, disp_unit=1, comm=communicator)
+        self.win = allocate_window(communicator, nbytes, shared, info)
+        info.Free()
+        self._communicator = communicator
         self.shared_memory = self.win.Get_attr(MPI.WIN_CREATE_FLAVOR) == MPI.WIN_FLAVOR_SHARED
         self._segments: Dict[int, torch.Tensor] = {}
         self.rank = communicator.Get_rank()
@@ -140,5 +140,5 @@ class Window:
         self.local = torch.empty(0, dtype=torch.uint8)
         self._segments.clear()
         if self.win != MPI.WIN_NULL and not MPI.Is_finalized():
-            self.win.Free()
+            free_window(self.win, self._communicator)
         lifetime.untrack(self._token)

@@ -26,7 +26,7 @@ from typing import Callable, List, Optional
 import torch
 
 from tensorplay_hpc import comm
-from tensorplay_hpc.comm.communicators import split
+from tensorplay_hpc.comm.communicators import free, split
 from tensorplay_hpc.comm.mpi import MPI
 
 from .default_hooks import allreduce_fut
@@ -66,7 +66,7 @@ class HierarchicalState(comm.Closeable):
                            (self.layout.node, self.layout.node_rank)):
             level = split(self._group.comm, color, key)
             self._levels.append(comm.ProcessGroup(level, owner="HierarchicalState"))
-            level.Free()
+            free(level)
 
     @property
     def node(self) -> MPI.Intracomm:

@@ -8,7 +8,7 @@ from typing import Optional
 from tensorplay_hpc.comm.mpi import MPI
 
 from tensorplay_hpc import comm
-from tensorplay_hpc.comm.communicators import split_by_node
+from tensorplay_hpc.comm.communicators import free, split_by_node
 from tensorplay_hpc.comm.private import private_comm
 
 from .default_hooks import BucketWork, allreduce_fut
@@ -47,7 +47,7 @@ class PostLocalSGDState(comm.Closeable):
         if subgroup is None and post_local_gradient_allreduce:
             node = split_by_node(self._global)
             self._node = comm.ProcessGroup(node, owner="PostLocalSGDState")
-            node.Free()
+            free(node)
             subgroup = self._node.comm
         self.subgroup = subgroup
         self._local = None

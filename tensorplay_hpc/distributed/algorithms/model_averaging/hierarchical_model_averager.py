@@ -8,7 +8,7 @@ from typing import Dict, List, Optional
 from tensorplay_hpc.comm.mpi import MPI
 
 from tensorplay_hpc import comm
-from tensorplay_hpc.comm.communicators import split
+from tensorplay_hpc.comm.communicators import free, split
 from tensorplay_hpc.comm.small_collectives import all_gather_object
 
 from .averagers import PERIOD_ONE_WARNING, ModelAverager
@@ -94,7 +94,7 @@ class HierarchicalModelAverager(ModelAverager):
             return self._group.comm
         blocked = split(self._group.comm, block, self._group.rank)
         owned = comm.ProcessGroup(blocked, owner="HierarchicalModelAverager")
-        blocked.Free()
+        free(blocked)
         self._subgroups.append(owned)
         members = all_gather_object(self._group.rank, owned.comm)
         self._mismatch[period] = (
