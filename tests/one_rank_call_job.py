@@ -42,6 +42,7 @@ def _prepare(case: str, folder: str) -> Tuple[Callable[[], object], list]:
     """Build, on every rank, what ``case`` needs; return rank 0's call, and the objects to keep
     open meanwhile (as a training job keeps them)."""
     world = MPI.COMM_WORLD
+    world.Barrier()     # start together: under load, the ranks' imports end seconds apart
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.BatchNorm1d(2))  # buffers:
     # DistributedDataParallel's forward pass broadcasts them

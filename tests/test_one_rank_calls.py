@@ -6,14 +6,12 @@ checkpoints and the trace. The entry points that are not collective return on th
 Each case is a job of its own (``one_rank_call_job.py``); the jobs run a few at a time."""
 import os
 import re
-import signal
-import subprocess
-import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import pytest
 
-from launch import clean_env, mpiexec_command, only_in_single_rank_run
+from concurrent_jobs import Ended, run_side_by_side
+from launch import only_in_single_rank_run
 from one_rank_call_job import COLLECTIVE, LOCAL, caller
 
 JOB = os.path.join(os.path.dirname(__file__), "one_rank_call_job.py")
@@ -25,31 +23,9 @@ AT_ONCE = 4
 """Jobs running at the same time."""
 
 
-def _run_all(cases: List[str], ranks: int, folder, nodes=None) -> Dict[str, Tuple[str, str, int,
-                                                                                 float]]:
-    """``case -> (stdout, stderr, return code, seconds from the call to the job's end)``."""
-    env = clean_env(TENSORPLAY_HPC_COLLECTIVE_TIMEOUT=str(TIMEOUT_S))
-    waiting, running, results = list(cases), {}, {}
-    while waiting or running:
-        while waiting and len(running) < AT_ONCE:
-            case = waiting.pop(0)
-            os.makedirs(folder / case)
-            running[case] = subprocess.Popen(
-                mpiexec_command(ranks, [JOB, case, str(folder / case)], nodes), env=env,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                start_new_session=True)
-        case, job = next(iter(running.items()))
-        try:
-            out, err = job.communicate(timeout=120)
-        except subprocess.TimeoutExpired:   # a hang: end the launcher and its ranks
-            os.killpg(job.pid, signal.SIGKILL)
-            out, err = job.communicate()
-        ended = time.time()
-        del running[case]
-        called = re.search(r"calling at ([0-9.]+)", out)
-        results[case] = (out, err, job.returncode,
-                         ended - float(called.group(1)) if called else float("inf"))
-    return results
+def _run_all(cases: List[str], ranks: int, folder, nodes=None) -> Dict[str, Ended]:
+    return run_side_by_side(JOB, cases, ranks, folder, "calling at", AT_ONCE,
+                            {"TENSORPLAY_HPC_COLLECTIVE_TIMEOUT": str(TIMEOUT_S)}, nodes)
 
 
 def _check(results, ranks: int, cases: Optional[List[str]] = None) -> None:

@@ -26,6 +26,7 @@ FAILING_STEP = 3
 
 def main(mode: str, folder: str = "") -> None:
     world = MPI.COMM_WORLD
+    world.Barrier()     # start together: under load, the ranks' imports end seconds apart
     failing = world.Get_rank() == world.Get_size() - 1
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
