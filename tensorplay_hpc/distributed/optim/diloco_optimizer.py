@@ -9,7 +9,7 @@ import torch
 
 from tensorplay_hpc import comm
 from tensorplay_hpc.comm.agreement import fail_together
-from tensorplay_hpc.comm.communicators import split
+from tensorplay_hpc.comm.communicators import free, split
 from tensorplay_hpc.comm.mpi import MPI
 from tensorplay_hpc.distributed.optim.fragment_schedule import FragmentSchedule
 
@@ -162,7 +162,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer, comm.Closeable):
         try:
             group = comm.ProcessGroup(made, owner="DiLoCoOptimizer")
         finally:
-            made.Free()
+            free(made)
         self._subgroups.append(group)
         return group
 
