@@ -21,8 +21,8 @@ _NOT_BENCHMARKS = {"cli", "report", "timing", "gloo", "models", "network"}
 
 
 def available() -> List[str]:
-    """The names of the benchmarks (the modules of this package)."""
-    return sorted(m.name for m in pkgutil.iter_modules(package.__path__)
+    """The names of the benchmarks (the modules of this package, ``_`` written ``-``)."""
+    return sorted(m.name.replace("_", "-") for m in pkgutil.iter_modules(package.__path__)
                   if m.name not in _NOT_BENCHMARKS and not m.name.startswith("_"))
 
 
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for name in args.benchmarks:
-            importlib.import_module(f"tensorplay_hpc.bench.{name}").run(report)
+            importlib.import_module(f"tensorplay_hpc.bench.{name.replace('-', '_')}").run(report)
     report.print_table()
     # Warnings (mostly from the PyTorch baselines) once each after the tables, not amid them.
     seen = dict.fromkeys(f"{w.category.__name__}: {w.message}" for w in caught)

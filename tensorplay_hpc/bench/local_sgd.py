@@ -1,0 +1,180 @@
+"""Bytes to loss: the training job's char-LM at 4 ranks over 2 simulated nodes whose link is
+throttled, for DDP, post-local SGD and DiLoCo, the same steps, seed and batches for each.
+
+Every case runs ``tensorplay-hpc train`` as a job of its own across the nodes of
+``tests/simulated_nodes.py`` (Linux namespaces, TCP between them, each node's link limited to
+:data:`LINK` by ``tc``), so it needs root and the repository's checkout. A case reports its final
+validation loss, the bytes the nodes sent each other (``cross_node_bytes`` of ``metrics.csv``)
+and its training time (the steps alone, from the job's own throughput; startup, validation and
+checkpoints left out), each against DDP's. The table, one JSON object per case and a plot of
+validation loss against bytes and against time go to :data:`OUTPUT` in the working folder.
+
+Run it as one process: ``python -m tensorplay_hpc.bench local-sgd``.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Sequence, Tuple
+
+import tensorplay_hpc
+from tensorplay_hpc.bench.report import Report
+from tensorplay_hpc.comm.mpi import MPI
+
+__all__ = ["CASES", "COMMON", "LINK", "OUTPUT", "RANKS", "Case", "Curve", "run"]
+
+LINK = "100mbit"
+"""The rate each node may send at (``tc ... tbf``); this kernel has no ``netem``, so no delay."""
+RANKS, NODES = 4, 2
+OUTPUT = Path("local-sgd")
+"""Where the table (``table.md``), the JSON lines (``results.jsonl``), the plot
+(``local-sgd.png``) and each case's ``metrics.csv`` (as ``CASE.csv``) go."""
+COMMON = ["--steps", "512", "--layers", "2", "--width", "64", "--heads", "4", "--context", "64",
+          "--batch-size", "32", "--inner", "adamw", "--lr", "0.003", "--seed", "0",
+          "--eval-every", "64", "--eval-batches", "8", "--checkpoint-every", "0",
+          "--warmup-steps", "32", "--threads", "1", "--no-progress", "--log-every", "64"]
+"""The settings every case shares."""
+
+
+@dataclass(frozen=True)
+class Case:
+    """One training run: a name for the table and the options that make it."""
+
+    name: str
+    options: Tuple[str, ...]
+
+
+def _diloco(sync: int, fragments: int = 1, dtype: str = "float32") -> Case:
+    name = f"diloco H={sync}" + (f" fragments={fragments}" if fragments > 1 else "") + (
+        f" {dtype}" if dtype != "float32" else "")
+    return Case(name, ("--optimizer", "diloco", "--sync-every", str(sync), "--fragments",
+                       str(fragments), "--delta-dtype", dtype))
+
+
+CASES: Sequence[Case] = (
+    Case("ddp", ("--optimizer", "ddp")),
+    Case("postlocal period=4", ("--optimizer", "postlocal", "--average-period", "4")),
+    Case("postlocal period=16", ("--optimizer", "postlocal", "--average-period", "16")),
+    _diloco(16), _diloco(64), _diloco(256), _diloco(16, dtype="bfloat16"),
+    _diloco(64, fragments=4), _diloco(64, fragments=4, dtype="bfloat16"))
+
+
+@dataclass
+class Curve:
+    """What a finished case's ``metrics.csv`` says: at each validation, the step, the loss, the
+    cross-node bytes and the training seconds so far."""
+
+    steps: List[int]
+    losses: List[float]
+    crossed: List[int]
+    seconds: List[float]
+
+    @classmethod
+    def read(cls, metrics: Path, tokens_per_step: int) -> "Curve":
+        curve = cls([], [], [], [])
+        with open(metrics, newline="") as f:
+            for row in csv.DictReader(f):
+                if row["validation_loss"]:
+                    step = int(row["step"])
+                    curve.steps.append(step)
+                    curve.losses.append(float(row["validation_loss"]))
+                    curve.crossed.append(int(row["cross_node_bytes"]))
+                    curve.seconds.append(step * tokens_per_step / float(row["tokens_per_second"]))
+        return curve
+
+
+def _tests_folder() -> Path:
+    """The checkout's ``tests`` folder, which holds the simulated nodes."""
+    tests = Path(tensorplay_hpc.__file__).resolve().parents[1] / "tests"
+    if not (tests / "simulated_nodes.py").exists():
+        raise RuntimeError(f"local-sgd runs its jobs on the simulated nodes of the repository's "
+                           f"tests/simulated_nodes.py, which is not at {tests}: run it from a "
+                           "checkout (pip install -e .)")
+    return tests
+
+
+def _run_case(case: Case, cluster, launch) -> Curve:
+    """Train ``case`` across the nodes of ``cluster`` (its run folder on the cluster's shared
+    scratch, its ``metrics.csv`` then kept in :data:`OUTPUT`); its validation curve."""
+    folder = case.name.replace(" ", "_").replace("=", "")
+    run_dir = cluster.scratch / folder
+    command = [*launch.mpiexec_prefix(cluster), "-n", str(RANKS), sys.executable, "-m",
+               "tensorplay_hpc", "train", *COMMON, *case.options, "--run-dir", str(run_dir)]
+    started = time.perf_counter()
+    result = subprocess.run(command, env=launch.clean_env(), capture_output=True, text=True,
+                            timeout=1800)
+    if result.returncode != 0:
+        raise RuntimeError(f"local-sgd: the case {case.name!r} failed ({result.returncode}):\n"
+                           f"{result.stdout[-3000:]}{result.stderr[-3000:]}")
+    print(f"  {case.name}: {time.perf_counter() - started:.0f} s", flush=True)
+    tokens = int(COMMON[COMMON.index("--batch-size") + 1]) * int(
+        COMMON[COMMON.index("--context") + 1])
+    kept = OUTPUT / f"{folder}.csv"
+    shutil.copyfile(run_dir / "metrics.csv", kept)
+    return Curve.read(kept, tokens)
+
+
+def _plot(curves: Dict[str, Curve], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    figure, (by_bytes, by_time) = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
+    for name, curve in curves.items():
+        style = "-" if name.startswith("diloco") else "--"
+        by_bytes.plot([max(b, 1) / 1e6 for b in curve.crossed], curve.losses, style, marker=".",
+                      label=name)
+        by_time.plot(curve.seconds, curve.losses, style, marker=".", label=name)
+    by_bytes.set_xscale("log")
+    by_bytes.set_xlabel("MB sent between the nodes (log scale)")
+    by_bytes.set_ylabel("validation loss (nats per byte)")
+    by_time.set_xlabel("training time (s)")
+    by_time.legend(fontsize="small")
+    figure.suptitle(f"char-LM, {RANKS} ranks on {NODES} simulated nodes, link {LINK}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def _table(rows: List[dict]) -> str:
+    lines = ["| case | validation loss | vs DDP | MB between nodes | vs DDP | training s | "
+             "vs DDP |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['case']} | {r['validation_loss']:.4f} | {r['loss_ratio']:.3f} | "
+                     f"{r['bytes'] / 1e6:.1f} | {r['bytes_ratio']:.4f} | {r['ours_s']:.1f} | "
+                     f"{r['ours_s'] / r['baseline_s']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def run(report: Report) -> None:
+    """Run every case in turn on one process (it launches the jobs) and write the outputs."""
+    if MPI.COMM_WORLD.Get_size() != 1:
+        raise RuntimeError("local-sgd launches jobs of its own across simulated nodes: run it as "
+                           "one process (python -m tensorplay_hpc.bench local-sgd), not under "
+                           f"mpiexec -n {MPI.COMM_WORLD.Get_size()}")
+    sys.path.insert(0, str(_tests_folder()))
+    import launch
+    from simulated_nodes import SimulatedNodes
+    OUTPUT.mkdir(parents=True, exist_ok=True)
+    curves: Dict[str, Curve] = {}
+    print(f"local-sgd: {len(CASES)} cases, {RANKS} ranks on {NODES} simulated nodes, link "
+          f"{LINK}; outputs in {OUTPUT.resolve()}", flush=True)
+    with SimulatedNodes(NODES, RANKS // NODES, throttle=LINK) as cluster:
+        for case in CASES:
+            curves[case.name] = _run_case(case, cluster, launch)
+    ddp = curves[CASES[0].name]
+    rows = [report.add("local-sgd", name, curve.seconds[-1], CASES[0].name, ddp.seconds[-1],
+                       nbytes=curve.crossed[-1], ranks=RANKS, link=LINK,
+                       steps=curve.steps[-1], validation_loss=curve.losses[-1],
+                       loss_ratio=curve.losses[-1] / ddp.losses[-1],
+                       bytes_ratio=curve.crossed[-1] / ddp.crossed[-1])
+            for name, curve in curves.items()]
+    (OUTPUT / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (OUTPUT / "table.md").write_text(_table(rows))
+    _plot(curves, OUTPUT / "local-sgd.png")
+    print(f"\n{_table(rows)}\nplot: {OUTPUT / 'local-sgd.png'}", flush=True)
