@@ -254,8 +254,14 @@ def _describe_parameter(entry: Optional[list]) -> str:
 
 def adapter_for(optimizer: Checkpointable) -> OptimizerAdapter:
     """The adapter for ``optimizer``'s kind."""
-    from tensorplay_hpc.distributed.optim import (DistributedOptimizer, PostLocalSGDOptimizer,
-                                                  ZeroRedundancyOptimizer)
+    from tensorplay_hpc.distributed.optim import (DiLoCoOptimizer, DistributedOptimizer,
+                                                  PostLocalSGDOptimizer, ZeroRedundancyOptimizer)
+    if isinstance(optimizer, DiLoCoOptimizer):
+        raise TypeError("checkpoint.save and load take a DiLoCoOptimizer's inner optimizer, "
+                        "not the DiLoCoOptimizer: pass optimizer=opt.optim, each rank a replica "
+                        "of its own (replica_group=MPI.COMM_SELF), and keep the outer state, "
+                        "global copy and schedule of opt.state_dict() in the extras, as the "
+                        "training job's --optimizer diloco does")
     if isinstance(optimizer, DistributedOptimizer):
         return DistributedOptimizerAdapter(optimizer)
     if isinstance(optimizer, ZeroRedundancyOptimizer):
