@@ -18,7 +18,7 @@ from typing import Callable, Dict, Tuple
 import torch
 from mpi4py import MPI
 
-from tensorplay_hpc import checkpoint
+from tensorplay_hpc import checkpoint, comm
 from tensorplay_hpc.comm import trace
 from tensorplay_hpc.distributed import autograd, rma
 from tensorplay_hpc.distributed.algorithms.model_averaging import averagers
@@ -27,7 +27,7 @@ from tensorplay_hpc.distributed.parallel import DistributedDataParallel
 
 COLLECTIVE = ("zero_step", "zero_consolidate", "zero_add_param_group", "zero_load_state_dict",
               "ddp_forward", "ddp_backward", "averager", "rma_share", "checkpoint_save",
-              "checkpoint_save_async", "checkpoint_load", "trace_write")
+              "checkpoint_save_async", "checkpoint_load", "trace_write", "coalesced_wait")
 """The entry points that every rank must call."""
 LOCAL = ("distributed_optimizer_step", "checkpoint_latest")
 """Those that one rank may call alone."""
@@ -50,6 +50,7 @@ def _prepare(case: str, folder: str) -> Tuple[Callable[[], object], list]:
     zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
     x = torch.ones(3, 4)
     path = os.path.join(folder, "step-1.h5")
+    group = comm.ProcessGroup(owner="one_rank_call_job")
     calls: Dict[str, Callable[[], object]] = {
         "zero_step": zero.step,
         "zero_consolidate": zero.consolidate_state_dict,
@@ -66,6 +67,9 @@ def _prepare(case: str, folder: str) -> Tuple[Callable[[], object], list]:
         "checkpoint_load": lambda: checkpoint.load(path, model=model),
         "checkpoint_latest": lambda: checkpoint.latest(folder),
         "trace_write": trace.write,
+        "coalesced_wait": lambda: comm.all_reduce_coalesced(
+            [torch.ones(3), torch.ones(2, dtype=torch.float64)], group.comm,
+            async_op=True).wait(),
     }
     if case in ("zero_step", "averager"):
         ddp(x).sum().backward()          # every rank: the gradients to step or average with
@@ -86,7 +90,7 @@ def _prepare(case: str, folder: str) -> Tuple[Callable[[], object], list]:
                 optimizer.step(context_id)
         calls[case] = step
     world.Barrier()
-    return calls[case], [ddp, zero]
+    return calls[case], [ddp, zero, group]
 
 
 def main(case: str, folder: str) -> None:

@@ -1,7 +1,8 @@
 """A collective entry point called on one rank only (the others gone on to a barrier of their
 own) ends the job through the watchdog, with a report naming the ranks that did not arrive,
 instead of hanging: ZeroRedundancyOptimizer, DistributedDataParallel, an averager, rma.share,
-checkpoints and the trace. The entry points that are not collective return on that rank.
+checkpoints, the trace and the wait of a nonblocking coalesced allreduce. The entry points that
+are not collective return on that rank.
 
 Each case is a job of its own (``one_rank_call_job.py``); the jobs run a few at a time."""
 import os

@@ -56,14 +56,16 @@ class Work:
 
     @classmethod
     def all_of(cls, works: Sequence["Work"], then: Optional[Callable[[], object]] = None) -> "Work":
-        """One handle that completes when every one of ``works`` has."""
+        """One handle that completes when every one of ``works`` has; its wait is watched as
+        the first one's (the works of one call, on one communicator)."""
         def finish() -> None:
             for work in works:
                 work.wait()
             if then is not None:
                 then()
         requests = [r for work in works for r in work._requests]
-        return cls(requests, finish)
+        operation, comm = works[0]._watch if works else ("", None)
+        return cls(requests, finish, operation=operation, comm=comm)
 
 
 def complete(requests: List[MPI.Request], then: Callable[[], object], async_op: bool,
