@@ -4,14 +4,42 @@ from __future__ import annotations
 
 import numbers
 import warnings
+from dataclasses import dataclass
 from typing import Any, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch._utils import _get_device_index
 
-__all__ = ["DEFAULT_BUCKET_CAP_MB", "Settings", "check_arguments"]
+__all__ = ["Arguments", "DEFAULT_BUCKET_CAP_MB", "Settings", "check_arguments"]
 
 DEFAULT_BUCKET_CAP_MB = 25
+
+
+@dataclass(frozen=True)
+class Arguments:
+    """DistributedDataParallel's constructor arguments as given, unchecked (PyTorch's names and
+    defaults)."""
+
+    module: Any
+    device_ids: Any = None
+    output_device: Any = None
+    dim: Any = 0
+    broadcast_buffers: Any = None
+    init_sync: Any = True
+    process_group: Any = None
+    bucket_cap_mb: Any = None
+    find_unused_parameters: Any = False
+    check_reduction: Any = False
+    gradient_as_bucket_view: Any = False
+    static_graph: Any = False
+    delay_all_reduce_named_params: Any = None
+    param_to_hook_all_reduce: Any = None
+    mixed_precision: Any = None
+    device_mesh: Any = None
+    skip_all_reduce_unused_params: Any = False
+    bucket_cap_mb_list: Any = None
+    batched_grad_copy: Any = False
+    forward_sync_buffers: Any = None
 
 
 class Settings(NamedTuple):
@@ -67,16 +95,9 @@ def _devices(device_ids: Any, output_device: Any, parameters: List[torch.nn.Para
     return [index], output, device, multi_device
 
 
-def check_arguments(module: Any, device_ids: Any, output_device: Any, dim: Any,
-                    broadcast_buffers: Any, init_sync: Any, process_group: Any,
-                    bucket_cap_mb: Any, find_unused_parameters: Any, check_reduction: Any,
-                    gradient_as_bucket_view: Any, static_graph: Any,
-                    delay_all_reduce_named_params: Any, param_to_hook_all_reduce: Any,
-                    mixed_precision: Any, device_mesh: Any, skip_all_reduce_unused_params: Any,
-                    bucket_cap_mb_list: Any, batched_grad_copy: Any,
-                    forward_sync_buffers: Any) -> Settings:
-    """Check DistributedDataParallel's arguments on this rank, as PyTorch does, and refuse those
-    that cannot apply here. Local (no communication).
+def check_arguments(given: Arguments) -> Settings:
+    """Check DistributedDataParallel's arguments ``given`` on this rank, as PyTorch does, and
+    refuse those that cannot apply here. Local (no communication).
 
     Raises:
         TypeError: an argument of the wrong type (names it).
@@ -87,40 +108,41 @@ def check_arguments(module: Any, device_ids: Any, output_device: Any, dim: Any,
             ``delay_all_reduce_named_params``/``param_to_hook_all_reduce``,
             ``skip_all_reduce_unused_params=True`` or ``bucket_cap_mb_list``.
     """
-    if not isinstance(module, torch.nn.Module):
+    if not isinstance(given.module, torch.nn.Module):
         raise TypeError("DistributedDataParallel: module must be a torch.nn.Module, got "
-                        f"{type(module).__name__}")
-    if (delay_all_reduce_named_params is None) != (param_to_hook_all_reduce is None):
+                        f"{type(given.module).__name__}")
+    if (given.delay_all_reduce_named_params is None) != (given.param_to_hook_all_reduce is None):
         raise ValueError("delay_all_reduce_named_params and param_to_hook_all_reduce need to be "
                          "set at the same time.")
-    if process_group is not None and device_mesh is not None:
+    if given.process_group is not None and given.device_mesh is not None:
         raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
-    if device_mesh is not None:
+    if given.device_mesh is not None:
         _refuse("device_mesh", "pass the data-parallel group as process_group (an mpi4py "
                 "intracommunicator, e.g. from MPI.COMM_WORLD.Split)")
-    if delay_all_reduce_named_params is not None:
+    if given.delay_all_reduce_named_params is not None:
         _refuse("delay_all_reduce_named_params", "every parameter's gradient is reduced in its "
                 "bucket during the backward pass")
-    if mixed_precision is not None:
+    if given.mixed_precision is not None:
         _refuse("mixed_precision", "convert the module to the precision you want to train in "
                 "(module.to(torch.bfloat16)); gradients are reduced in the parameters' dtype")
-    for name, value in [("init_sync", init_sync),
-                        ("find_unused_parameters", find_unused_parameters),
-                        ("check_reduction", check_reduction),
-                        ("gradient_as_bucket_view", gradient_as_bucket_view),
-                        ("static_graph", static_graph),
-                        ("skip_all_reduce_unused_params", skip_all_reduce_unused_params),
-                        ("batched_grad_copy", batched_grad_copy)]:
+    for name, value in [("init_sync", given.init_sync),
+                        ("find_unused_parameters", given.find_unused_parameters),
+                        ("check_reduction", given.check_reduction),
+                        ("gradient_as_bucket_view", given.gradient_as_bucket_view),
+                        ("static_graph", given.static_graph),
+                        ("skip_all_reduce_unused_params", given.skip_all_reduce_unused_params),
+                        ("batched_grad_copy", given.batched_grad_copy)]:
         _require_bool(name, value)
-    for name, value in [("broadcast_buffers", broadcast_buffers),
-                        ("forward_sync_buffers", forward_sync_buffers)]:
+    for name, value in [("broadcast_buffers", given.broadcast_buffers),
+                        ("forward_sync_buffers", given.forward_sync_buffers)]:
         if value is not None:
             _require_bool(name, value)
-    if skip_all_reduce_unused_params:
+    if given.skip_all_reduce_unused_params:
         _refuse("skip_all_reduce_unused_params=True", "buckets are always reduced whole "
                 "(unused parameters count as zeros with find_unused_parameters=True)")
-    if bucket_cap_mb_list:
+    if given.bucket_cap_mb_list:
         _refuse("bucket_cap_mb_list", "give one size for every bucket with bucket_cap_mb")
+    bucket_cap_mb = given.bucket_cap_mb
     if bucket_cap_mb is None:
         bucket_cap_mb = DEFAULT_BUCKET_CAP_MB
     elif not isinstance(bucket_cap_mb, numbers.Real) or isinstance(bucket_cap_mb, bool):
@@ -129,10 +151,10 @@ def check_arguments(module: Any, device_ids: Any, output_device: Any, dim: Any,
     elif bucket_cap_mb < 0:
         raise ValueError(f"DistributedDataParallel: bucket_cap_mb must not be negative, got "
                          f"{bucket_cap_mb}")
-    if not isinstance(dim, int) or isinstance(dim, bool):
+    if not isinstance(given.dim, int) or isinstance(given.dim, bool):
         raise TypeError(f"DistributedDataParallel: dim must be an int, got "
-                        f"{type(dim).__name__} {dim!r}")
-    parameters = list(module.parameters())
+                        f"{type(given.dim).__name__} {given.dim!r}")
+    parameters = list(given.module.parameters())
     if not any(p.requires_grad for p in parameters):
         raise RuntimeError("DistributedDataParallel is not needed when a module doesn't have any "
                            "parameter that requires a gradient.")
@@ -140,9 +162,9 @@ def check_arguments(module: Any, device_ids: Any, output_device: Any, dim: Any,
         raise RuntimeError("Modules with uninitialized parameters can't be used with "
                            "`DistributedDataParallel`. Run a dummy forward pass to correctly "
                            "initialize the modules")
-    ids, output, device, multi_device = _devices(device_ids, output_device, parameters)
-    if broadcast_buffers is not None:
-        if forward_sync_buffers is not None:
+    ids, output, device, multi_device = _devices(given.device_ids, given.output_device, parameters)
+    if given.broadcast_buffers is not None:
+        if given.forward_sync_buffers is not None:
             warnings.warn("Both `broadcast_buffers` and `forward_sync_buffers` were specified. "
                           "`broadcast_buffers` is deprecated and its value is ignored when "
                           "`forward_sync_buffers` is provided.", FutureWarning, stacklevel=3)
@@ -153,12 +175,13 @@ def check_arguments(module: Any, device_ids: Any, output_device: Any, dim: Any,
                           "on buffers NOT being synced at init (e.g. rank-local buffers), keep "
                           "using `broadcast_buffers=False` until `init_sync_buffers` is "
                           "available.", FutureWarning, stacklevel=3)
-    if check_reduction:
+    if given.check_reduction:
         warnings.warn("The `check_reduction` argument in `DistributedDataParallel` module is "
                       "deprecated. Please avoid using it.", FutureWarning, stacklevel=3)
-    if forward_sync_buffers is not None:
-        forward_sync, init_sync_buffers = forward_sync_buffers, True
+    if given.forward_sync_buffers is not None:
+        forward_sync, init_sync_buffers = given.forward_sync_buffers, True
     else:
-        forward_sync = init_sync_buffers = True if broadcast_buffers is None else broadcast_buffers
+        forward_sync = init_sync_buffers = (True if given.broadcast_buffers is None
+                                            else given.broadcast_buffers)
     return Settings(ids, output, device, multi_device, forward_sync, init_sync_buffers,
                     float(bucket_cap_mb))

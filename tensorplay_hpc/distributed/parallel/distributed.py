@@ -31,7 +31,7 @@ from tensorplay_hpc.comm.agreement import fail_together
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.grad_bucket import GradBucket
 from tensorplay_hpc.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from .arguments import check_arguments
+from .arguments import Arguments, check_arguments
 from .reducer import Reducer
 
 __all__ = ["DistributedDataParallel"]
@@ -134,13 +134,19 @@ class DistributedDataParallel(torch.nn.Module, Joinable, comm.Closeable):
                         ("gradient_as_bucket_view", gradient_as_bucket_view),
                         ("static_graph", static_graph),
                         ("init_sync", init_sync)]):
-                settings = check_arguments(
-                    module, device_ids, output_device, dim, broadcast_buffers, init_sync,
-                    process_group, bucket_cap_mb, find_unused_parameters, check_reduction,
-                    gradient_as_bucket_view, static_graph, delay_all_reduce_named_params,
-                    param_to_hook_all_reduce, mixed_precision, device_mesh,
-                    skip_all_reduce_unused_params, bucket_cap_mb_list, batched_grad_copy,
-                    forward_sync_buffers)
+                settings = check_arguments(Arguments(
+                    module=module, device_ids=device_ids, output_device=output_device, dim=dim,
+                    broadcast_buffers=broadcast_buffers, init_sync=init_sync,
+                    process_group=process_group, bucket_cap_mb=bucket_cap_mb,
+                    find_unused_parameters=find_unused_parameters,
+                    check_reduction=check_reduction,
+                    gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph,
+                    delay_all_reduce_named_params=delay_all_reduce_named_params,
+                    param_to_hook_all_reduce=param_to_hook_all_reduce,
+                    mixed_precision=mixed_precision, device_mesh=device_mesh,
+                    skip_all_reduce_unused_params=skip_all_reduce_unused_params,
+                    bucket_cap_mb_list=bucket_cap_mb_list, batched_grad_copy=batched_grad_copy,
+                    forward_sync_buffers=forward_sync_buffers))
         except Exception:
             self._group.close()   # every rank raises: free the duplicate now
             raise
