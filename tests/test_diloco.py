@@ -269,6 +269,31 @@ def test_state_dict_mid_schedule_with_a_sync_in_flight_resumes_exactly(world):
     resumed.close()
 
 
+def test_an_hdf5_checkpoint_with_a_sync_in_flight_resumes_exactly(world, folder):
+    from tensorplay_hpc import checkpoint
+    model, ours = _diloco(sync_every=6, fragments=3, overlap_steps=1)
+    _train(ours, model, 8)                     # fragment 1 started its sync after step 8
+    path = checkpoint.save(f"{folder}/diloco.h5", model, ours, replica_group=MPI.COMM_SELF)
+    resumed_model, resumed = _diloco(sync_every=6, fragments=3, overlap_steps=1)
+    checkpoint.load(path, resumed_model, resumed, replica_group=MPI.COMM_SELF)
+    _train(ours, model, 7, first=9)
+    _train(resumed, resumed_model, 7, first=9)
+    for a, b in zip(list(model.parameters()) + ours.state_dict()["global"],
+                    list(resumed_model.parameters()) + resumed.state_dict()["global"]):
+        assert torch.equal(a, b)
+    if world.size > 1:   # the syncs in flight need the ranks that started them
+        with pytest.raises(checkpoint.CheckpointError, match="saved on .* ranks with a DiLoCo "
+                           "sync in flight"):
+            alone_model, alone = _diloco(sync_every=6, fragments=3, overlap_steps=1,
+                                         process_group=MPI.COMM_SELF)
+            try:
+                checkpoint.load(path, alone_model, alone, process_group=MPI.COMM_SELF)
+            finally:
+                alone.close()
+    ours.close()
+    resumed.close()
+
+
 def test_a_state_from_one_rank_loads_at_the_world_size_at_a_sync_boundary(world):
     alone_model = _model()   # every rank runs the same one-rank job, on replica 0's data
     alone = DiLoCoOptimizer(_inner(alone_model.parameters()), _outer(alone_model.parameters()),

@@ -11,6 +11,8 @@ plus any further datasets under ``/optimizer`` its kind needs.
   rank writes and reads the state of the parameters it owns, through the optimizer's
   ``owned_indices``, ``owned_state``, ``indexed_param_groups`` and its load of that state;
 - ``PostLocalSGDOptimizer``: its inner optimizer, plus the averager's step counter;
+- ``DiLoCoOptimizer``: its inner optimizer, plus the outer optimizer, the global copy, the
+  schedule and the syncs in flight (see :class:`DiLoCoAdapter`);
 - ``DistributedOptimizer``: also the values of the parameters each owner holds (they live in
   its window memory, not in a model).
 """
@@ -22,13 +24,14 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, Sequence,
 import torch
 
 from .format import CheckpointError, dtype_name
+from .nested_state import flatten, rebuild
 
 if TYPE_CHECKING:
     from tensorplay_hpc.distributed.optim import DistributedOptimizer
 
-__all__ = ["Checkpointable", "DistributedOptimizerAdapter", "OptimizerAdapter",
-           "PostLocalSGDAdapter", "ShardedAdapter", "ShardedOptimizer", "State", "ZeroAdapter",
-           "adapter_for", "assign_writers", "class_name", "parameter_name"]
+__all__ = ["Checkpointable", "DiLoCoAdapter", "DistributedOptimizerAdapter", "OptimizerAdapter",
+           "PostLocalSGDAdapter", "ShardedAdapter", "ShardedOptimizer", "State", "WrapperAdapter",
+           "ZeroAdapter", "adapter_for", "assign_writers", "class_name", "parameter_name"]
 
 State = Dict[int, Dict[str, Any]]
 Checkpointable = Union[torch.optim.Optimizer, "DistributedOptimizer"]
@@ -98,6 +101,10 @@ class OptimizerAdapter:
         """The further datasets this rank needs; those missing from the file are left out."""
         return []
 
+    def folders_to_read(self, rank: int) -> List[str]:
+        """Folders of the file all of whose datasets this rank needs (absent ones: none)."""
+        return []
+
     def load(self, state: State, param_groups: List[Dict[str, Any]], attributes: Dict[str, Any],
              tensors: Dict[str, torch.Tensor]) -> None:
         """Load ``state`` (this rank's :meth:`indices_to_read`) and ``tensors`` (those of
@@ -148,8 +155,9 @@ class ZeroAdapter(ShardedAdapter):
         self.optimizer.load_owned_state(state, param_groups)
 
 
-class PostLocalSGDAdapter(OptimizerAdapter):
-    kind = "post_local_sgd"
+class WrapperAdapter(OptimizerAdapter):
+    """An optimizer wrapping another (``optimizer.optim``), whose state is saved as that
+    optimizer's kind saves it."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         super().__init__(optimizer)
@@ -164,7 +172,7 @@ class PostLocalSGDAdapter(OptimizerAdapter):
         return self.inner.param_groups()
 
     def attributes(self) -> Dict[str, Any]:
-        return {**self.inner.attributes(), "averager_step": int(self.optimizer.averager.step)}
+        return self.inner.attributes()
 
     def state_to_write(self, rank: int, writers: Sequence[int]) -> State:
         return self.inner.state_to_write(rank, writers)
@@ -181,7 +189,87 @@ class PostLocalSGDAdapter(OptimizerAdapter):
     def load(self, state: State, param_groups: List[Dict[str, Any]], attributes: Dict[str, Any],
              tensors: Dict[str, torch.Tensor]) -> None:
         self.inner.load(state, param_groups, attributes, tensors)
+
+
+class PostLocalSGDAdapter(WrapperAdapter):
+    """A ``PostLocalSGDOptimizer``: its inner optimizer and the averager's step counter."""
+
+    kind = "post_local_sgd"
+
+    def attributes(self) -> Dict[str, Any]:
+        return {**super().attributes(), "averager_step": int(self.optimizer.averager.step)}
+
+    def load(self, state: State, param_groups: List[Dict[str, Any]], attributes: Dict[str, Any],
+             tensors: Dict[str, torch.Tensor]) -> None:
+        super().load(state, param_groups, attributes, tensors)
         self.optimizer.averager.step = int(attributes.get("averager_step", 0))
+
+
+class DiLoCoAdapter(WrapperAdapter):
+    """A ``DiLoCoOptimizer``: its inner optimizer as that kind is saved (the ranks' replicas
+    differ between syncs, so save with each rank a replica of its own), and the rest of its
+    ``state_dict()`` under ``optimizer/diloco``: the part every rank holds alike (outer
+    optimizer, global copy, step count, schedule, the syncs in flight's averages) written once,
+    by rank 0, in ``shared``; each rank's fragments as they were when its syncs in flight
+    started in ``rank<r>``. A file saved with syncs in flight loads only at its world size."""
+
+    kind = "diloco"
+    FOLDER = "optimizer/diloco"
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(optimizer)
+        self._parts: Optional[Dict[str, Any]] = None
+
+    def _split(self) -> Dict[str, Any]:
+        """The state to save, taken once: skeletons and tensors of the shared and own parts."""
+        if self._parts is None:
+            state = self.optimizer.state_dict()
+            del state["inner"]
+            own = [sync.pop("local") for sync in state["in_flight"]]
+            (shared, shared_tensors), (mine, own_tensors) = flatten(state), flatten(own)
+            self._parts = {"shared": shared, "own": mine, "shared_tensors": shared_tensors,
+                           "own_tensors": own_tensors}
+        return self._parts
+
+    def attributes(self) -> Dict[str, Any]:
+        parts = self._split()
+        return {**super().attributes(), "diloco": parts["shared"], "diloco_own": parts["own"],
+                "diloco_ranks": self.optimizer.world_size}
+
+    def tensors_to_write(self, rank: int) -> Dict[str, torch.Tensor]:
+        parts, written = self._split(), dict(super().tensors_to_write(rank))
+        if rank == 0:
+            written.update((f"{self.FOLDER}/shared/{k}", t)
+                           for k, t in parts["shared_tensors"].items())
+        written.update((f"{self.FOLDER}/rank{rank}/{k}", t) for k, t in parts["own_tensors"].items())
+        return written
+
+    def folders_to_read(self, rank: int) -> List[str]:
+        return [f"{self.FOLDER}/shared", f"{self.FOLDER}/rank{rank}"]
+
+    def load(self, state: State, param_groups: List[Dict[str, Any]], attributes: Dict[str, Any],
+             tensors: Dict[str, torch.Tensor]) -> None:
+        """The inner optimizer's state, then the rest. Collective (``load_state_dict``)."""
+        if "diloco" not in attributes:
+            raise CheckpointError("the checkpoint holds no DiLoCoOptimizer state (it was saved "
+                                  "from another kind of optimizer)")
+        super().load(state, param_groups, attributes, tensors)
+        shared = rebuild(attributes["diloco"], _under(tensors, f"{self.FOLDER}/shared/"))
+        own_tensors = _under(tensors, f"{self.FOLDER}/rank{self.optimizer.rank}/")
+        if shared["in_flight"] and attributes["diloco_ranks"] != self.optimizer.world_size:
+            raise CheckpointError(
+                f"the checkpoint was saved on {attributes['diloco_ranks']} ranks with a DiLoCo "
+                f"sync in flight, which only the same ranks can finish; this job has "
+                f"{self.optimizer.world_size} (load at another world size from a checkpoint "
+                "taken at a sync boundary)")
+        for sync, local in zip(shared["in_flight"], rebuild(attributes["diloco_own"], own_tensors)):
+            sync["local"] = local
+        self.optimizer.load_state_dict({**shared, "inner": self.optimizer.optim.state_dict()})
+
+
+def _under(tensors: Dict[str, torch.Tensor], prefix: str) -> Dict[str, torch.Tensor]:
+    """The tensors whose names start with ``prefix``, by the rest of the name."""
+    return {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}
 
 
 def parameter_name(index: int) -> str:
@@ -257,11 +345,7 @@ def adapter_for(optimizer: Checkpointable) -> OptimizerAdapter:
     from tensorplay_hpc.distributed.optim import (DiLoCoOptimizer, DistributedOptimizer,
                                                   PostLocalSGDOptimizer, ZeroRedundancyOptimizer)
     if isinstance(optimizer, DiLoCoOptimizer):
-        raise TypeError("checkpoint.save and load take a DiLoCoOptimizer's inner optimizer, "
-                        "not the DiLoCoOptimizer: pass optimizer=opt.optim, each rank a replica "
-                        "of its own (replica_group=MPI.COMM_SELF), and keep the outer state, "
-                        "global copy and schedule of opt.state_dict() in the extras, as the "
-                        "training job's --optimizer diloco does")
+        return DiLoCoAdapter(optimizer)
     if isinstance(optimizer, DistributedOptimizer):
         return DistributedOptimizerAdapter(optimizer)
     if isinstance(optimizer, ZeroRedundancyOptimizer):

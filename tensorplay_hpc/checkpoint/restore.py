@@ -148,6 +148,8 @@ def _plan(reader: Reader, sources: List[str], rank: int, model: Optional[torch.n
         if index in listed:
             target[index] = reader.names(fmt.state_node(index, plan.state_prefix))
     plan.tensors = [name for name in adapter.tensors_to_read(rank) if reader.has(name)]
+    plan.tensors += [f"{folder}/{key}" for folder in adapter.folders_to_read(rank)
+                     for key in reader.names(folder)]
     return plan
 
 

@@ -67,6 +67,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer, comm.Closeable):
         bytes_synced: the bytes this rank has handed to the deltas' allreduces so far (16-bit
             where ``delta_dtype`` says so; with ``node_local`` its share, which crosses nodes;
             none on one rank).
+        rank, world_size: this rank's place in ``process_group`` and its size.
 
     Raises:
         TypeError: ``optim`` or ``outer_optimizer`` is not a ``torch.optim.Optimizer``.
@@ -97,7 +98,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer, comm.Closeable):
         self.bytes_synced = 0
         self._group = comm.ProcessGroup(process_group, owner="DiLoCoOptimizer")
         self._subgroups: List[comm.ProcessGroup] = []
-        self.rank = self._group.rank
+        self.rank, self.world_size = self._group.rank, self._group.size
         self._params: List[torch.Tensor] = []
         settings = [("sync_every", sync_every), ("fragments", fragments),
                     ("delta_dtype", str(delta_dtype)), ("overlap_steps", overlap_steps),
