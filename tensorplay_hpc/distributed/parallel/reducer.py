@@ -45,6 +45,7 @@ from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.grad_bucket import (
     GradBucket, result_done, result_tensor)
 
 from .comm_thread import CommThread
+from .gradient_places import GradientPlaces, InBuckets, InPlace
 
 __all__ = ["FIRST_BUCKET_BYTES", "Hook", "Reducer", "assign_buckets", "reachable_parameters"]
 
@@ -146,11 +147,10 @@ class Reducer:
         self._hook: Optional[Hook] = None
         self._hook_state: Any = None
         self.divisor: Optional[int] = None   # None: the group size
-        self._shadow_buckets: Optional[List[GradBucket]] = None
-        self._shadow_gradients: Optional[List[List[torch.Tensor]]] = None
-        # Streamed reduction: what stands in for the gradient of a parameter that has none of
-        # its own in this pass (zeros, or a copy of a gradient left from an earlier pass).
-        self._stand_ins: Dict[int, torch.Tensor] = {}
+        self._places: GradientPlaces = (
+            InBuckets(self.params, self.buckets, self._slot, as_view=True)
+            if gradient_as_bucket_view else
+            InPlace(self.params, self.buckets, self._slot, self._bucket_indices))
         self._unused: Sequence[int] = ()
         self._used = [False] * len(self.params)   # locally, since the last synchronized pass
         self._reset()
@@ -194,6 +194,8 @@ class Reducer:
             raise RuntimeError("register_comm_hook can only be called once "
                                f"(world rank {MPI.COMM_WORLD.Get_rank()})")
         self._hook, self._hook_state = hook, state
+        if isinstance(self._places, InPlace):   # a hook is given the bucket buffers
+            self._places = InBuckets(self.params, self.buckets, self._slot, as_view=False)
 
     def prepare(self, sync: bool, outputs: Any, divisor: Optional[int] = None) -> None:
         """Set up the next backward pass after a forward pass that produced ``outputs``;
@@ -244,29 +246,11 @@ class Reducer:
             kinds.setdefault(kind, []).append(self.names[index])
         return [f"{kind}: {names}" for kind, names in kinds.items()]
 
-    @property
-    def streamed(self) -> bool:
-        """Whether the gradients are averaged where they are, without bucket buffers."""
-        return self._hook is None and not self.gradient_as_bucket_view
-
     def _mark_ready(self, index: int, own: bool = False) -> None:
-        """Put parameter ``index``'s gradient (zeros if it has none) into its bucket slot;
-        ``own``: the gradient was computed in this pass (its hook fired)."""
-        b, position = self._slot[index]
-        param = self.params[index]
-        grad = param.grad
-        if self.streamed:
-            if not own:   # averaged in a stand-in, so an unused gradient stays as it was
-                self._stand_ins[index] = (torch.zeros_like(param) if grad is None
-                                          else grad.detach().clone())
-        else:
-            slot = self.buckets[b].flat.views[position]
-            if grad is None:
-                slot.zero_()
-            elif grad.data_ptr() != slot.data_ptr():
-                slot.copy_(grad)
-                if self.gradient_as_bucket_view:
-                    param.grad = slot
+        """Make parameter ``index``'s gradient (zeros if it has none) ready for its bucket's
+        reduction; ``own``: the gradient was computed in this pass (its hook fired)."""
+        b, _ = self._slot[index]
+        self._places.place(index, own)
         self._ready[index] = True
         self._pending[b] -= 1
         while (self._next_bucket < len(self.buckets)
@@ -274,27 +258,15 @@ class Reducer:
             self._results.append(self._start(self.buckets[self._next_bucket]))
             self._next_bucket += 1
 
-    def _gradients(self, bucket: GradBucket) -> List[torch.Tensor]:
-        """The tensors a streamed reduction averages for ``bucket``: the parameters' own
-        gradients, or their stand-ins."""
-        found = []
-        for index in self._bucket_indices[bucket.index()]:
-            stand_in = self._stand_ins.get(index)
-            found.append(self.params[index].grad if stand_in is None else stand_in)
-        return found
-
     def _start(self, bucket: GradBucket,
                gradients: Optional[List[torch.Tensor]] = None) -> Any:
-        """Start ``bucket``'s reduction: its hook's, else the built-in one of its buffer or
-        (streamed) of its ``gradients`` (by default the parameters')."""
+        """Start ``bucket``'s reduction: its hook's, else the built-in one of ``gradients``
+        (by default what the gradients' places give for the bucket)."""
         with trace.caller(f"DDP bucket {bucket.index()}"):
             if self._hook is not None:
                 return self._hook(self._hook_state, bucket)
-            if not self.streamed:
-                gradients = [bucket.buffer()]
-            elif gradients is None:
-                gradients = self._gradients(bucket)
-            return self.submit(gradients, self._reduce)
+            return self.submit(self._places.inputs(bucket) if gradients is None else gradients,
+                               self._reduce)
 
     def submit(self, tensor: Any, reduce: Callable[[Any], None]) -> Any:
         """Run ``reduce(tensor)``, blocking collectives, on the communication thread after the
@@ -324,21 +296,7 @@ class Reducer:
         pass, every bucket reduced with zero gradients (through the communication hook if one
         is registered), then the end-of-pass agreement; the parameters' gradients are left as
         they are. Raises the other ranks' error if their pass failed. Collective."""
-        results = []
-        if self.streamed:
-            if self._shadow_gradients is None:
-                self._shadow_gradients = [[torch.zeros_like(p) for p in b.parameters()]
-                                          for b in self.buckets]
-            for bucket, zeros in zip(self.buckets, self._shadow_gradients):
-                torch._foreach_zero_(zeros)
-                results.append(self._start(bucket, zeros))
-        else:
-            if self._shadow_buckets is None:
-                self._shadow_buckets = [GradBucket(b.index(), b.parameters(), b.is_last())
-                                        for b in self.buckets]
-            for bucket in self._shadow_buckets:
-                bucket.buffer().zero_()
-                results.append(self._start(bucket))
+        results = [self._start(bucket, zeros) for bucket, zeros in self._places.shadow()]
         for result in results:
             result_tensor(result)
         failed, _ = self.agree_on_pass(False, [False] * len(self.params))
@@ -366,13 +324,7 @@ class Reducer:
                 self._mark_ready(index)
             consumed = set()
             for bucket, result in zip(self.buckets, self._results):
-                reduced = result_tensor(result)
-                if self.streamed:
-                    continue
-                if getattr(result, "consumes_gradients", False):
-                    consumed.add(bucket.index())
-                elif reduced.data_ptr() != bucket.buffer().data_ptr():
-                    bucket.set_buffer(reduced)
+                self._places.reduced(bucket, result, result_tensor(result), consumed)
             failed, used = self.agree_on_pass(bool(problems))
             if learning:
                 self._static_unused, self._static_used = missing, used
@@ -382,7 +334,7 @@ class Reducer:
                 self._write_back(used if self.find_unused_parameters else None, consumed)
         finally:
             self._used = [False] * len(self.params)
-            self._stand_ins = {}
+            self._places.reset()
             self._reset()
         if failed:
             error = RuntimeError("; ".join(problems)) if problems else None
@@ -404,34 +356,13 @@ class Reducer:
         """Give the parameters their averaged gradients; those of the ``consumed`` buckets
         (their hook used the gradients itself) get none, and those buckets free their
         buffers."""
-        targets, sources = [], []
+        targets: List[torch.Tensor] = []
+        sources: List[torch.Tensor] = []
         for index, param in enumerate(self.params):
-            b, position = self._slot[index]
-            if b in consumed:
+            if self._slot[index][0] in consumed:
                 param.grad = None
-                continue
-            if used is not None and not used[index]:
-                continue   # unused everywhere: the gradient stays as it was, like PyTorch
-            grad = param.grad
-            if self.streamed:
-                stand_in = self._stand_ins.get(index)
-                if stand_in is None:
-                    continue   # averaged in place
-                if grad is None:
-                    param.grad = stand_in
-                else:
-                    targets.append(grad)
-                    sources.append(stand_in)
-                continue
-            slot = self.buckets[b].flat.views[position]
-            if self.gradient_as_bucket_view:
-                if grad is None or grad.data_ptr() != slot.data_ptr():
-                    param.grad = slot
-            elif grad is None:
-                param.grad = slot.clone()
-            else:
-                targets.append(grad)
-                sources.append(slot)
+            elif used is None or used[index]:   # unused everywhere: kept as is, like PyTorch
+                self._places.write_back(index, targets, sources)
         if targets:
             torch._foreach_copy_(targets, sources)
         for b in consumed:
