@@ -171,14 +171,9 @@ class DistributedOptimizer(Closeable):
                    for owner in range(self._shared.size)]
         self._state = self._shared.new_window(layouts[rank].nbytes)
         self._state.local.zero_()  # no parameter has state yet
-        # Direct steps run the optimizer on the owner's memory itself (a shared-memory window);
-        # the others fetch into local stand-ins and buffers, reused by every step.
-        self._direct = (self._shared.values.shared_memory and self._state.shared_memory
-                        and os.environ.get(DIRECT_ENV, "1") != "0")
-        if not self._direct:
-            self._grads = {ref: torch.empty(ref.shape, dtype=reduce_dtype(ref.dtype))
-                           for ref in self._refs}
-            self._fetched = {ref: self._buffers(ref) for ref in self._refs}
+        direct = (self._shared.values.shared_memory and self._state.shared_memory
+                  and os.environ.get(DIRECT_ENV, "1") != "0")
+        self._access: _Access = _InPlace(self) if direct else _Fetched(self)
         barrier(communicator)  # every owner's flags are cleared before anyone steps
 
     def _construct(self, args: tuple, kwargs: dict) -> torch.optim.Optimizer:
@@ -230,7 +225,7 @@ class DistributedOptimizer(Closeable):
     @property
     def in_place(self) -> bool:
         """Whether steps run on the owners' shared memory directly instead of Get and Put."""
-        return self._direct
+        return isinstance(self._access, _InPlace)
 
     @property
     def optimizer_class(self) -> Type[torch.optim.Optimizer]:
@@ -314,7 +309,7 @@ class DistributedOptimizer(Closeable):
                                   for e, view in zip(self._entries[self._keys[i]], views)])
                 else:
                     flag.fill_(0)
-            self._store_in_place(held, saved)
+            _store_in_place(held, saved)
 
     def _check_loadable(self, index: int, value: torch.Tensor,
                         state: Optional[Dict[str, Any]]) -> None:
@@ -427,53 +422,17 @@ class DistributedOptimizer(Closeable):
 
     def _step_owner(self, owner: int, refs: List[RemoteRef], context_id: int) -> None:
         shared, state = self._shared, self._state
-        windows = (shared.values, state, shared.gradients)
         with shared.values.locked(owner, exclusive=True), state.locked(owner, exclusive=True), \
                 shared.gradients.locked(owner):
-            if self._direct:
-                for window in windows:
-                    window.sync()
-                grads, held = self._map(owner, refs)
-            else:
-                grads, held = self._fetch(owner, refs)
+            grads, held = self._access.take(owner, refs)
             saved = self._run(owner, refs, grads, held, context_id)
-            if self._direct:
-                self._store_in_place(held, saved)
-                for window in windows:
-                    window.sync()
-            else:
-                self._put(owner, refs, held, saved)
+            self._access.give_back(owner, refs, held, saved)
         for ref in refs:  # the state lives in the window only
             self._proxies[ref].grad = None
             self._optimizer.state.pop(self._proxies[ref], None)
 
     def _specs(self, key: ParamKey) -> List[Spec]:
         return [_FLAG] + [e.spec for e in self._entries[key]]
-
-    def _map(self, owner: int, refs: List[RemoteRef]) -> Tuple[List[torch.Tensor], Held]:
-        """Point the stand-ins at the owner's parameters; views of its gradients, flags and
-        state."""
-        shared = self._shared
-        grads, held = [], []
-        for ref in refs:
-            self._proxies[ref].data = shared.values.view(shared.value_offset(ref), ref.shape,
-                                                         ref.dtype, rank=owner)
-            grads.append(shared.gradients.view(shared.gradient_offset(ref, shared.rank),
-                                               ref.shape, reduce_dtype(ref.dtype), rank=owner))
-            held.append(self._state_views((owner, ref.index)))
-        return grads, held
-
-    def _fetch(self, owner: int, refs: List[RemoteRef]) -> Tuple[List[torch.Tensor], Held]:
-        """Get parameters, gradients, flags and state from the owner into local buffers."""
-        shared = self._shared
-        grads = [shared.get_gradient(ref, self._grads[ref]) for ref in refs]
-        held = []
-        for ref in refs:
-            shared.values.get(self._proxies[ref], owner, shared.value_offset(ref))
-            held.append(self._get_state(ref, self._fetched[ref]))
-        for window in (shared.values, self._state, shared.gradients):
-            window.flush(owner)
-        return grads, held
 
     def _run(self, owner: int, refs: List[RemoteRef], grads: List[torch.Tensor],
              held: List[List[torch.Tensor]], context_id: int) -> List[List[torch.Tensor]]:
@@ -491,28 +450,8 @@ class DistributedOptimizer(Closeable):
             optimizer.step()
             return [self._saved(ref, buffers) for ref, (_, *buffers) in zip(refs, held)]
         except Exception as error:
-            outcome = ("the update may be incomplete" if self._direct
-                       else "they were left unchanged")
-            raise self._failed(owner, refs, context_id, outcome, error) from error
-
-    @staticmethod
-    def _store_in_place(held: List[List[torch.Tensor]], saved: List[List[torch.Tensor]]) -> None:
-        """Write state the optimizer made anew into the owner's views; mark it present."""
-        for (flag, *views), tensors in zip(held, saved):
-            for view, tensor in zip(views, tensors):
-                if tensor.data_ptr() != view.data_ptr():
-                    view.copy_(tensor)
-            flag.fill_(1)
-
-    def _put(self, owner: int, refs: List[RemoteRef], held: List[List[torch.Tensor]],
-             saved: List[List[torch.Tensor]]) -> None:
-        """Put parameters, flags and state back on the owner."""
-        shared = self._shared
-        for ref, (flag, *_), tensors in zip(refs, held, saved):
-            shared.values.put(self._proxies[ref], owner, shared.value_offset(ref))
-            flag.fill_(1)
-            for tensor, offset in zip([flag, *tensors], self._offsets[(owner, ref.index)]):
-                self._state.put(tensor, owner, offset)
+            raise self._failed(owner, refs, context_id, self._access.failed_outcome,
+                               error) from error
 
     def _saved(self, ref: RemoteRef, buffers: List[torch.Tensor]) -> List[torch.Tensor]:
         """The tensors to write back for ``ref``'s state after a step."""
@@ -553,6 +492,95 @@ class DistributedOptimizer(Closeable):
         for proxy in self._proxies.values():
             proxy.data = torch.empty(0, dtype=proxy.dtype)  # let go of window memory
         self._state.free()
+
+
+def _store_in_place(held: Held, saved: Held) -> None:
+    """Write state the optimizer made anew into the owner's views; mark it present."""
+    for (flag, *views), tensors in zip(held, saved):
+        for view, tensor in zip(views, tensors):
+            if tensor.data_ptr() != view.data_ptr():
+                view.copy_(tensor)
+        flag.fill_(1)
+
+
+class _Access:
+    """How a step reaches an owner's parameters, gradients and state, inside the step's epochs
+    on the three windows: :meth:`take` them for the optimizer's stand-ins, run the optimizer,
+    :meth:`give_back` what it made."""
+
+    failed_outcome = ""
+    """What a failed optimizer left on the owner, as the step's error says it."""
+
+    def __init__(self, optimizer: DistributedOptimizer) -> None:
+        self.optimizer = optimizer
+
+    def take(self, owner: int, refs: List[RemoteRef]) -> Tuple[List[torch.Tensor], Held]:
+        """Point ``refs``' stand-ins at their values; their gradients, flags and state."""
+        raise NotImplementedError
+
+    def give_back(self, owner: int, refs: List[RemoteRef], held: Held, saved: Held) -> None:
+        """Leave the stepped values and the ``saved`` state on the owner."""
+        raise NotImplementedError
+
+
+class _InPlace(_Access):
+    """The optimizer runs on the owner's memory itself (windows in shared memory): views of its
+    parameters, gradients, flags and state, nothing copied."""
+
+    failed_outcome = "the update may be incomplete"
+
+    def _sync(self) -> None:
+        shared = self.optimizer._shared
+        for window in (shared.values, self.optimizer._state, shared.gradients):
+            window.sync()
+
+    def take(self, owner: int, refs: List[RemoteRef]) -> Tuple[List[torch.Tensor], Held]:
+        self._sync()
+        o, shared = self.optimizer, self.optimizer._shared
+        grads, held = [], []
+        for ref in refs:
+            o._proxies[ref].data = shared.values.view(shared.value_offset(ref), ref.shape,
+                                                      ref.dtype, rank=owner)
+            grads.append(shared.gradients.view(shared.gradient_offset(ref, shared.rank),
+                                               ref.shape, reduce_dtype(ref.dtype), rank=owner))
+            held.append(o._state_views((owner, ref.index)))
+        return grads, held
+
+    def give_back(self, owner: int, refs: List[RemoteRef], held: Held, saved: Held) -> None:
+        _store_in_place(held, saved)
+        self._sync()
+
+
+class _Fetched(_Access):
+    """Parameters, gradients, flags and state got from the owner into local buffers (reused
+    by every step), and put back after the step."""
+
+    failed_outcome = "they were left unchanged"
+
+    def __init__(self, optimizer: DistributedOptimizer) -> None:
+        super().__init__(optimizer)
+        self._grads = {ref: torch.empty(ref.shape, dtype=reduce_dtype(ref.dtype))
+                       for ref in optimizer._refs}
+        self._fetched = {ref: optimizer._buffers(ref) for ref in optimizer._refs}
+
+    def take(self, owner: int, refs: List[RemoteRef]) -> Tuple[List[torch.Tensor], Held]:
+        o, shared = self.optimizer, self.optimizer._shared
+        grads = [shared.get_gradient(ref, self._grads[ref]) for ref in refs]
+        held = []
+        for ref in refs:
+            shared.values.get(o._proxies[ref], owner, shared.value_offset(ref))
+            held.append(o._get_state(ref, self._fetched[ref]))
+        for window in (shared.values, o._state, shared.gradients):
+            window.flush(owner)
+        return grads, held
+
+    def give_back(self, owner: int, refs: List[RemoteRef], held: Held, saved: Held) -> None:
+        o, shared = self.optimizer, self.optimizer._shared
+        for ref, (flag, *_), tensors in zip(refs, held, saved):
+            shared.values.put(o._proxies[ref], owner, shared.value_offset(ref))
+            flag.fill_(1)
+            for tensor, offset in zip([flag, *tensors], o._offsets[(owner, ref.index)]):
+                o._state.put(tensor, owner, offset)
 
 
 def _describe(value: Any) -> str:
