@@ -31,7 +31,7 @@ LOCAL_MAKERS = {"Get_group", "Get_info", "Incl", "Excl", "Range_incl", "Range_ex
 """mpi4py calls that make local objects (groups, info, datatypes). ``Free`` is collective on a
 communicator or a window, and counts as a raw call unless its receiver was made by one of these
 (or by ``MPI.Info.Create``)."""
-FREES_LEFT = {"tensorplay_hpc/train/loop.py", "tensorplay_hpc/checkpoint/restore.py"}
+FREES_LEFT = {"tensorplay_hpc/train/loop.py"}
 """Files that still free a communicator with a raw ``Free`` (to move to
 ``comm.communicators.free``); a file leaves this list once it has none."""
 OBJECT_CALLS = {"allgather", "allreduce", "alltoall", "barrier", "bcast", "exscan", "gather",

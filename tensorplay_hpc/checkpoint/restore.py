@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from tensorplay_hpc.comm.agreement import fail_together
-from tensorplay_hpc.comm.communicators import split
+from tensorplay_hpc.comm.communicators import free, split
 from tensorplay_hpc.comm.small_collectives import broadcast_object
 from tensorplay_hpc.comm.mpi import MPI
 
@@ -203,7 +203,7 @@ def load_into(reader: Reader, comm: MPI.Intracomm, replicas: Replicas,
                              batch_bytes=READ_BATCH_BYTES if rows else None)
     finally:
         if sharing is not comm:
-            sharing.Free()
+            free(sharing)
 
     extra = {}
     with fail_together(comm, what, fmt.CheckpointError):
