@@ -26,7 +26,7 @@ backward pass after its gradient is ready (shared weights are not supported), as
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, List, Tuple
+from typing import TYPE_CHECKING, Any, List, Tuple
 
 import torch
 
@@ -36,7 +36,7 @@ from tensorplay_hpc.comm.private import private_comm
 from tensorplay_hpc.comm.small_collectives import BACKGROUND_PAUSE_S
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_fut
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.grad_bucket import (
-    result_done, result_tensor)
+    CommHook, GradBucket, HookResult, result_done, result_tensor)
 
 from .bucket_assignment import BucketShard
 
@@ -44,8 +44,6 @@ if TYPE_CHECKING:
     from .zero_redundancy_optimizer import ZeroRedundancyOptimizer
 
 __all__ = ["DDPOverlap", "WARMUP_ITERATIONS"]
-
-Hook = Callable[[Any, Any], Any]
 
 WARMUP_ITERATIONS = 2
 """Synchronized backward passes that do not step (one more with a static graph)."""
@@ -56,7 +54,7 @@ class _BucketStep:
     the interleaved hook returns to DDP (``is_completed()`` and ``wait()`` like the
     reduction's)."""
 
-    def __init__(self, overlap: "DDPOverlap", bucket: Any, reduction: Any) -> None:
+    def __init__(self, overlap: "DDPOverlap", bucket: GradBucket, reduction: HookResult) -> None:
         self._overlap = overlap
         self._bucket = bucket
         self._reduction = reduction
@@ -94,7 +92,7 @@ class _OwnersStep(_BucketStep):
 
     consumes_gradients = True
 
-    def __init__(self, overlap: "DDPOverlap", bucket: Any) -> None:
+    def __init__(self, overlap: "DDPOverlap", bucket: GradBucket) -> None:
         group = private_comm(overlap.zero.process_group)
         flat = overlap.flats[bucket.index()]
         shards = overlap.shards[bucket.index()]
@@ -150,7 +148,7 @@ class DDPOverlap:
         ddp = self.ddp
         return WARMUP_ITERATIONS + int(bool(ddp is not None and ddp.static_graph))
 
-    def _steps_in_this_pass(self, bucket: Any) -> bool:
+    def _steps_in_this_pass(self, bucket: GradBucket) -> bool:
         """Whether this backward pass steps; counts the passes (at their last bucket)."""
         if bucket.index() == 0:
             self._stepping = self.iterations >= self._warmup_iterations()
@@ -184,30 +182,30 @@ class DDPOverlap:
             work.wait()
         self._broadcasts.clear()
 
-    def interleaved_hook(self, reduce: Hook) -> Hook:
+    def interleaved_hook(self, reduce: CommHook) -> CommHook:
         """A DDP communication hook: ``reduce(state, bucket)``, then the bucket's step as soon as
         the reduction has completed."""
-        def reduce_then_step(state: Any, bucket: Any) -> Any:
+        def reduce_then_step(state: Any, bucket: GradBucket) -> HookResult:
             reduction = reduce(state, bucket)
             if not self._steps_in_this_pass(bucket):
                 return reduction
             return _BucketStep(self, bucket, reduction)
         return reduce_then_step
 
-    def owners_hook(self) -> Hook:
+    def owners_hook(self) -> CommHook:
         """A DDP communication hook for ZeRO-2: after the warm-up (plain averaging), each
         bucket's gradients are reduced only to the owners of its parameters, which step as
         soon as their part has arrived; DDP keeps no gradients."""
-        def reduce_to_owners(state: Any, bucket: Any) -> Any:
+        def reduce_to_owners(state: Any, bucket: GradBucket) -> HookResult:
             if not self._steps_in_this_pass(bucket):
                 return allreduce_fut(private_comm(self.zero.process_group), bucket.buffer())
             return _OwnersStep(self, bucket)
         return reduce_to_owners
 
-    def hook_stepping_after_last(self, reduce: Hook) -> Hook:
+    def hook_stepping_after_last(self, reduce: CommHook) -> CommHook:
         """A DDP communication hook: ``reduce(state, bucket)``; the last bucket's call waits for
         every bucket's reduction in turn and steps it."""
-        def reduce_then_step_at_last(state: Any, bucket: Any) -> Any:
+        def reduce_then_step_at_last(state: Any, bucket: GradBucket) -> HookResult:
             reduction = reduce(state, bucket)
             if not self._steps_in_this_pass(bucket):
                 return reduction

@@ -4,11 +4,11 @@ leaves ``param.grad`` viewing), or where they are (:class:`InPlace`: the built-i
 otherwise, which copies no gradient into a bucket and back). Both are local."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.grad_bucket import GradBucket
+from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.grad_bucket import GradBucket, HookResult
 
 __all__ = ["GradientPlaces", "InBuckets", "InPlace"]
 
@@ -40,7 +40,7 @@ class GradientPlaces:
         """Each bucket (or a stand-in for it) with zeros to reduce, for a pass without inputs."""
         raise NotImplementedError
 
-    def reduced(self, bucket: GradBucket, result: Any, tensor: torch.Tensor,
+    def reduced(self, bucket: GradBucket, result: HookResult, tensor: torch.Tensor,
                 consumed: Set[int]) -> None:
         """``bucket``'s reduction ``result`` has completed with ``tensor``; a hook whose result
         consumes the gradients puts the bucket's index in ``consumed``."""
@@ -90,7 +90,7 @@ class InBuckets(GradientPlaces):
             bucket.buffer().zero_()
         return [(bucket, [bucket.buffer()]) for bucket in self._shadow_buckets]
 
-    def reduced(self, bucket: GradBucket, result: Any, tensor: torch.Tensor,
+    def reduced(self, bucket: GradBucket, result: HookResult, tensor: torch.Tensor,
                 consumed: Set[int]) -> None:
         if getattr(result, "consumes_gradients", False):
             consumed.add(bucket.index())

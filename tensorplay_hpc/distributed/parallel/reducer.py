@@ -42,17 +42,14 @@ from tensorplay_hpc.comm import trace
 from tensorplay_hpc.comm.small_collectives import BACKGROUND_PAUSE_S
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.default_hooks import BucketWork
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.grad_bucket import (
-    GradBucket, result_done, result_tensor)
+    CommHook, GradBucket, HookResult, result_done, result_tensor)
 
 from .comm_thread import CommThread
 from .gradient_places import GradientPlaces, InBuckets, InPlace
 
-__all__ = ["FIRST_BUCKET_BYTES", "Hook", "Reducer", "assign_buckets", "reachable_parameters"]
+__all__ = ["FIRST_BUCKET_BYTES", "Reducer", "assign_buckets", "reachable_parameters"]
 
 FIRST_BUCKET_BYTES = 1 << 20   # a small first bucket starts communication early, as in PyTorch
-
-Hook = Callable[[Any, "GradBucket"], Any]
-
 
 def assign_buckets(params: Sequence[torch.Tensor], cap_bytes: int) -> List[List[int]]:
     """Parameter indices per bucket: reverse parameter order (roughly the order gradients
@@ -144,7 +141,7 @@ class Reducer:
         for b, indices in enumerate(layout):
             for position, index in enumerate(indices):
                 self._slot[index] = (b, position)
-        self._hook: Optional[Hook] = None
+        self._hook: Optional[CommHook] = None
         self._hook_state: Any = None
         self.divisor: Optional[int] = None   # None: the group size
         self._places: GradientPlaces = (
@@ -176,7 +173,7 @@ class Reducer:
         self._late: List[int] = []   # parameters whose gradient came when already ready
         self._pending = [len(bucket.parameters()) for bucket in self.buckets]
         self._next_bucket = 0
-        self._results: List[Any] = []
+        self._results: List[HookResult] = []
         self._tested = 0
         self._started = False
 
@@ -189,7 +186,7 @@ class Reducer:
         self._static_unused = None
         self._static_used = None
 
-    def register_comm_hook(self, state: Any, hook: Hook) -> None:
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         if self._hook is not None:
             raise RuntimeError("register_comm_hook can only be called once "
                                f"(world rank {MPI.COMM_WORLD.Get_rank()})")
@@ -259,7 +256,7 @@ class Reducer:
             self._next_bucket += 1
 
     def _start(self, bucket: GradBucket,
-               gradients: Optional[List[torch.Tensor]] = None) -> Any:
+               gradients: Optional[List[torch.Tensor]] = None) -> HookResult:
         """Start ``bucket``'s reduction: its hook's, else the built-in one of ``gradients``
         (by default what the gradients' places give for the bucket)."""
         with trace.caller(f"DDP bucket {bucket.index()}"):
@@ -268,7 +265,7 @@ class Reducer:
             return self.submit(self._places.inputs(bucket) if gradients is None else gradients,
                                self._reduce)
 
-    def submit(self, tensor: Any, reduce: Callable[[Any], None]) -> Any:
+    def submit(self, tensor: Any, reduce: Callable[[Any], None]) -> HookResult:
         """Run ``reduce(tensor)``, blocking collectives, on the communication thread after the
         buckets' reductions already queued (right here below ``MPI_THREAD_MULTIPLE``); return
         a hook result for it. For hooks whose collectives are faster blocking. Local."""

@@ -1,6 +1,7 @@
 """What a communication hook receives and returns.
 
-A hook is called as ``hook(state, bucket)`` with a :class:`GradBucket` and returns a result:
+A hook (:data:`CommHook`) is called as ``hook(state, bucket)`` with a :class:`GradBucket` and
+returns a :class:`HookResult`:
 
 - an object with ``wait()`` that returns the reduced flat tensor (or a one-element list of it),
   such as :class:`~.default_hooks.BucketWork`; an ``is_completed()`` method, if present, lets
@@ -13,14 +14,25 @@ the parameters' ``.grad`` as ``None`` and frees the bucket's buffer until the ne
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Protocol, Sequence, Union
 
 import torch
 
 from tensorplay_hpc import comm
 from tensorplay_hpc.comm.mpi import MPI
 
-__all__ = ["GradBucket", "result_done", "result_tensor"]
+__all__ = ["CommHook", "GradBucket", "HookResult", "result_done", "result_tensor"]
+
+
+class HookResult(Protocol):
+    """What a communication hook returns: ``wait()`` blocks until the bucket is reduced and
+    gives the reduced flat tensor, or a one-element list of it (a ``torch.futures.Future``'s
+    value). Optional members, looked up when present: ``is_completed()`` (our works) or
+    ``done()`` (a Future) test for completion, which drives MPI progress during the backward
+    pass; a true ``consumes_gradients`` says the hook used the gradients itself."""
+
+    def wait(self) -> Union[torch.Tensor, List[torch.Tensor]]:
+        ...
 
 
 class GradBucket:
@@ -76,7 +88,7 @@ class GradBucket:
         self.flat.buffer.copy_(tensor.reshape(-1))
 
 
-def result_done(result: Any) -> bool:
+def result_done(result: HookResult) -> bool:
     """Whether a hook's result has completed, testing it (which drives MPI progress)."""
     if hasattr(result, "is_completed"):
         return result.is_completed()
@@ -85,7 +97,7 @@ def result_done(result: Any) -> bool:
     return False
 
 
-def result_tensor(result: Any) -> torch.Tensor:
+def result_tensor(result: HookResult) -> torch.Tensor:
     """Wait for a hook's result and return the reduced tensor.
 
     Raises:
@@ -98,3 +110,7 @@ def result_tensor(result: Any) -> torch.Tensor:
         raise TypeError(f"a communication hook's result must wait() to a tensor, got "
                         f"{type(value).__name__} (world rank {MPI.COMM_WORLD.Get_rank()})")
     return value
+
+
+CommHook = Callable[[Any, GradBucket], HookResult]
+"""A communication hook: ``hook(state, bucket)`` starts the bucket's reduction."""
