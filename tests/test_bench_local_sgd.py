@@ -17,6 +17,7 @@ def test_curve_has_the_validation_steps_bytes_and_seconds_of_the_metrics(tmp_pat
 def test_benchmark_is_listed_and_compares_every_kind_with_ddp_first():
     assert "local-sgd" in available()
     names = [case.name for case in CASES]
-    assert names[0] == "ddp" and len(set(names)) == len(names) == 9
+    assert names[0] == "ddp" and len(set(names)) == len(names) == 11
     assert {"postlocal period=4", "postlocal period=16", "diloco H=16", "diloco H=64",
-            "diloco H=256", "diloco H=16 bfloat16", "diloco H=64 fragments=4"} <= set(names)
+            "diloco H=256", "diloco H=16 bfloat16", "diloco H=64 fragments=4",
+            "diloco H=64 node-local"} <= set(names)

@@ -31,7 +31,8 @@ def _model(path: Path, replica: str) -> dict:
 
 @pytest.mark.parametrize("settings", [
     dict(sync_every=4, fragments=2, overlap_steps=1),   # fragment 0's sync of step 4 in flight
-    dict(sync_every=3, delta_dtype="bfloat16", outer_momentum=0.5)])
+    # a replica per node (one here, two over simulated nodes)
+    dict(sync_every=3, delta_dtype="bfloat16", outer_momentum=0.5, node_local=True)])
 def test_diloco_stopped_between_syncs_resumes_exactly(shared_dir, settings):
     whole = train_here(tiny(shared_dir / "whole", optimizer="diloco", steps=8, **settings))
     expected = losses(shared_dir / "whole")
@@ -46,7 +47,7 @@ def test_diloco_stopped_between_syncs_resumes_exactly(shared_dir, settings):
                              preemption=preemption)
     assert stopped.exit_code == EXIT_PREEMPTED and stopped.steps == 4
     saved = parts / "checkpoints" / "step-0000004.h5"
-    if WORLD.size > 1:   # the ranks trained apart since their last sync: one replica each
+    if WORLD.size > 1 and not settings.get("node_local"):   # one replica each, trained apart
         first, second = _model(saved, "replica0/"), _model(saved, "replica1/")
         assert any(not torch.equal(first[name], second[name]) for name in first)
     rest = train_here(tiny(parts, optimizer="diloco", steps=8, resume=True, **settings))
@@ -77,6 +78,9 @@ def test_diloco_settings_are_checked():
         TrainConfig(optimizer="diloco", delta_dtype="int8")
     with pytest.raises(ValueError, match="--overlap-steps must not be negative"):
         TrainConfig(optimizer="diloco", overlap_steps=-1)
+    with pytest.raises(ValueError, match="--node-local needs --optimizer diloco, got "
+                                         "--optimizer ddp"):
+        TrainConfig(optimizer="ddp", node_local=True)
 
 
 def _bytes_per_step(run_dir: Path) -> list:

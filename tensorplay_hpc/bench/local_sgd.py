@@ -1,5 +1,6 @@
 """Bytes to loss: the training job's char-LM at 4 ranks over 2 simulated nodes whose link is
-throttled, for DDP, post-local SGD and DiLoCo, the same steps, seed and batches for each.
+throttled, for DDP, post-local SGD and DiLoCo (a replica per rank, or per node with
+``--node-local``), the same steps, seed and batches for each.
 
 Every case runs ``tensorplay-hpc train`` as a job of its own across the nodes of
 ``tests/simulated_nodes.py`` (Linux namespaces, TCP between them, each node's link limited to
@@ -50,11 +51,13 @@ class Case:
     options: Tuple[str, ...]
 
 
-def _diloco(sync: int, fragments: int = 1, dtype: str = "float32") -> Case:
+def _diloco(sync: int, fragments: int = 1, dtype: str = "float32",
+            node_local: bool = False) -> Case:
     name = f"diloco H={sync}" + (f" fragments={fragments}" if fragments > 1 else "") + (
-        f" {dtype}" if dtype != "float32" else "")
+        f" {dtype}" if dtype != "float32" else "") + (" node-local" if node_local else "")
     return Case(name, ("--optimizer", "diloco", "--sync-every", str(sync), "--fragments",
-                       str(fragments), "--delta-dtype", dtype))
+                       str(fragments), "--delta-dtype", dtype,
+                       *(("--node-local",) if node_local else ())))
 
 
 CASES: Sequence[Case] = (
@@ -62,7 +65,8 @@ CASES: Sequence[Case] = (
     Case("postlocal period=4", ("--optimizer", "postlocal", "--average-period", "4")),
     Case("postlocal period=16", ("--optimizer", "postlocal", "--average-period", "16")),
     _diloco(16), _diloco(64), _diloco(256), _diloco(16, dtype="bfloat16"),
-    _diloco(64, fragments=4), _diloco(64, fragments=4, dtype="bfloat16"))
+    _diloco(64, fragments=4), _diloco(64, fragments=4, dtype="bfloat16"),
+    _diloco(16, dtype="bfloat16", node_local=True), _diloco(64, node_local=True))
 
 
 @dataclass
@@ -125,11 +129,12 @@ def _plot(curves: Dict[str, Curve], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     figure, (by_bytes, by_time) = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
-    for name, curve in curves.items():
-        style = "-" if name.startswith("diloco") else "--"
-        by_bytes.plot([max(b, 1) / 1e6 for b in curve.crossed], curve.losses, style, marker=".",
-                      label=name)
-        by_time.plot(curve.seconds, curve.losses, style, marker=".", label=name)
+    colors = plt.get_cmap("tab20").colors   # more cases than the default cycle's 10 colors
+    for (name, curve), color in zip(curves.items(), colors[::2] + colors[1::2]):
+        style = dict(linestyle="-" if name.startswith("diloco") else "--", marker=".",
+                     color=color, label=name)
+        by_bytes.plot([max(b, 1) / 1e6 for b in curve.crossed], curve.losses, **style)
+        by_time.plot(curve.seconds, curve.losses, **style)
     by_bytes.set_xscale("log")
     by_bytes.set_xlabel("MB sent between the nodes (log scale)")
     by_bytes.set_ylabel("validation loss (nats per byte)")

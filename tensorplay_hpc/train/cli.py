@@ -61,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
            choices=DELTA_DTYPES)
     option(what, "--overlap-steps", "diloco: inner steps a sync runs behind, overlapped with "
            "them, before it is applied (0: applied at once)", type=int)
+    option(what, "--node-local", "diloco: the ranks of each node average their gradients at "
+           "every step, and DiLoCo runs between the nodes (one replica per node)",
+           action="store_true")
     model = parser.add_argument_group("model")
     option(model, "--layers", "transformer blocks", type=int)
     option(model, "--width", "embedding width", type=int)

@@ -50,6 +50,7 @@ class TrainConfig:
     fragments: int = 1
     delta_dtype: str = "float32"
     overlap_steps: int = 0
+    node_local: bool = False
     eval_every: int = 100
     eval_batches: int = 4
     run_dir: Path = Path("run")
@@ -79,6 +80,9 @@ class TrainConfig:
             raise ValueError(f"--comm-hook {self.comm_hook} needs --optimizer zero or ddp (the "
                              "DistributedDataParallel kinds; postlocal has its own hook), got "
                              f"--optimizer {self.optimizer}")
+        if self.node_local and self.optimizer != "diloco":
+            raise ValueError(f"--node-local needs --optimizer diloco, got --optimizer "
+                             f"{self.optimizer}")
         for name in ("batch_size", "layers", "width", "heads", "context", "average_period",
                      "eval_batches", "powersgd_rank", "sync_every", "fragments"):
             if getattr(self, name) < 1:

@@ -14,7 +14,8 @@
   (see :mod:`.mesh`).
 - ``diloco``: a plain model on each rank, trained by the inner optimizer on the rank's own
   batches; DiLoCoOptimizer averages the models' changes every ``sync_every`` steps and steps an
-  outer Nesterov SGD over them. Between syncs every rank holds a replica of its own.
+  outer Nesterov SGD over them. Between syncs every rank holds a replica of its own, or with
+  ``node_local`` every node (its ranks average gradients at every step).
 
 ``--comm-hook`` gives the DistributedDataParallel of ``zero`` and ``ddp`` another way to average
 gradients: 16-bit compression, PowerSGD (its error feedback and factors travel in checkpoints,
@@ -32,6 +33,7 @@ from torch import nn
 
 from tensorplay_hpc import comm
 from tensorplay_hpc.comm import trace
+from tensorplay_hpc.comm.communicators import free, split_by_node
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.default_hooks import (
     bf16_compress_hook, fp16_compress_hook)
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.hierarchical_hook import (
@@ -80,7 +82,7 @@ class Strategy:
     owned: List[comm.Closeable] = field(default_factory=list)
     _hook_state: Optional[PostLocalSGDState] = None
     _power_sgd: Optional[PowerSGDState] = None
-    _own_replica: Optional[comm.ProcessGroup] = None
+    _replicas: Optional[comm.ProcessGroup] = None
     _diloco: Optional[DiLoCoOptimizer] = None
 
     def close(self) -> None:
@@ -128,10 +130,11 @@ class Strategy:
     def replica_group(self) -> Optional[MPI.Intracomm]:
         """The ranks whose parameters and optimizer state equal this rank's at every step:
         post-local SGD's subgroup (the node), since between averagings the nodes' replicas
-        differ; this rank alone for ``diloco``, whose ranks train apart between syncs; ``None``
-        (all ranks) for the other kinds. Checkpoints save one copy per group."""
-        if self._own_replica is not None:
-            return self._own_replica.comm
+        differ; for ``diloco``, whose replicas train apart between syncs, this rank alone, or
+        its node with ``node_local``; ``None`` (all ranks) for the other kinds. Checkpoints
+        save one copy per group."""
+        if self._replicas is not None:
+            return self._replicas.comm
         state = self._hook_state
         return None if state is None else state.subgroup
 
@@ -144,7 +147,8 @@ def _gradients_already_averaged() -> None:
 
 
 def _gradients_stay_local() -> None:
-    """Each rank steps on its own gradients; the optimizer syncs the models now and then."""
+    """Each rank steps on its own gradients (``node_local``: the optimizer averages them within
+    the node); the optimizer syncs the replicas now and then."""
 
 
 def _diloco(module: nn.Module, config: TrainConfig, group: comm.ProcessGroup) -> Strategy:
@@ -156,10 +160,18 @@ def _diloco(module: nn.Module, config: TrainConfig, group: comm.ProcessGroup) ->
     delta_dtype = None if config.delta_dtype == "float32" else getattr(torch, config.delta_dtype)
     optimizer = DiLoCoOptimizer(inner, outer, config.sync_every, process_group=group.parent,
                                 fragments=config.fragments, delta_dtype=delta_dtype,
-                                overlap_steps=config.overlap_steps)
-    own_replica = comm.ProcessGroup(MPI.COMM_SELF, owner="the training run's diloco replica")
-    return Strategy(module, module, optimizer, _gradients_stay_local, [optimizer, own_replica],
-                    _own_replica=own_replica, _diloco=optimizer)
+                                overlap_steps=config.overlap_steps, node_local=config.node_local)
+    owner = "the training run's diloco replicas"
+    if config.node_local:
+        node = split_by_node(group.comm)
+        try:
+            replicas = comm.ProcessGroup(node, owner=owner)
+        finally:
+            free(node)
+    else:
+        replicas = comm.ProcessGroup(MPI.COMM_SELF, owner=owner)
+    return Strategy(module, module, optimizer, _gradients_stay_local, [optimizer, replicas],
+                    _replicas=replicas, _diloco=optimizer)
 
 
 def _register_comm_hook(model: DistributedDataParallel, config: TrainConfig,
