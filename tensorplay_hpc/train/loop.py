@@ -139,7 +139,7 @@ class Run(comm.Closeable):
             try:
                 with trace.caller("checkpoint load"):
                     return path, checkpoint.load(path, model=self.strategy.module,
-                                                 optimizer=self.strategy.checkpointed_optimizer,
+                                                 optimizer=self.strategy.optimizer,
                                                  process_group=self.world,
                                                  replica_group=self.strategy.replica_group)
             except checkpoint.CheckpointError as error:
@@ -167,8 +167,7 @@ class Run(comm.Closeable):
         self.strategy.resumed_at(self.history.step, extra)
         # Loading the optimizer's state brought back the checkpoint's hyperparameters: the
         # command line's apply, as the changes printed above say.
-        for group in self.strategy.optimizer.param_groups:
-            group.update(strategies.inner_defaults(self.config))
+        self.strategy.apply_hyperparameters(self.config)
         self.last_checkpoint = path
         saved_ranks = int(extra["config"].get("ranks", self.group.size))
         note = ("" if saved_ranks == self.group.size else
@@ -195,8 +194,8 @@ class Run(comm.Closeable):
         path = str(self.config.checkpoint_dir / f"step-{step:07d}.h5")
         started = time.perf_counter()
         extra = {"step": step, "config": {**self.config.describe(), "ranks": self.group.size},
-                 "history": self.history.to_extra(), **self.strategy.checkpoint_extra()}
-        state = dict(model=self.strategy.module, optimizer=self.strategy.checkpointed_optimizer,
+                 "history": self.history.to_extra(), **self.strategy.hook_extra()}
+        state = dict(model=self.strategy.module, optimizer=self.strategy.optimizer,
                      extra=extra, keep=self.config.keep or None,
                      replica_group=self.strategy.replica_group)
         with trace.caller("checkpoint save"), trace.span("checkpoint save", "io"):

@@ -47,8 +47,7 @@ from tensorplay_hpc.distributed.optim import (DiLoCoOptimizer, PostLocalSGDOptim
                                               ZeroRedundancyOptimizer)
 from tensorplay_hpc.distributed.parallel import DistributedDataParallel
 
-from .config import TrainConfig, UsageError
-from .diloco_state import diloco_extra, load_diloco_extra
+from .config import TrainConfig
 from .mesh import TorchDistributed
 
 __all__ = ["INNER", "POWER_SGD_PREFIX", "Strategy", "build", "inner_defaults"]
@@ -90,41 +89,30 @@ class Strategy:
         for owner in self.owned:
             owner.close()
 
-    @property
-    def checkpointed_optimizer(self) -> torch.optim.Optimizer:
-        """The optimizer checkpoints hold: DiLoCo's inner one (the rest of DiLoCo's state is
-        in :meth:`checkpoint_extra`), else :attr:`optimizer`."""
-        return self.optimizer if self._diloco is None else self._diloco.optim
-
-    def checkpoint_extra(self) -> Dict[str, Any]:
-        """What the communication hook or DiLoCo needs in this rank's checkpoint extras to
-        resume exactly: PowerSGD's state, under keys starting with :data:`POWER_SGD_PREFIX`;
-        DiLoCo's outer optimizer, global copy and schedule (see :mod:`.diloco_state`).
-        Collective for ``diloco`` with a sync in flight."""
-        if self._diloco is not None:
-            return diloco_extra(self._diloco)
+    def hook_extra(self) -> Dict[str, Any]:
+        """What the communication hook needs in this rank's checkpoint extras to resume
+        exactly: PowerSGD's state, under keys starting with :data:`POWER_SGD_PREFIX`."""
         if self._power_sgd is None:
             return {}
         return self._power_sgd.state_dict(prefix=POWER_SGD_PREFIX)
 
     def resumed_at(self, step: int, extra: Dict[str, Any]) -> None:
         """Bring the hooks' state to ``step``: the post-local hook's warm-up counter, and
-        PowerSGD's state from ``extra`` when the checkpoint has it (else it warms up again);
-        DiLoCo's state from ``extra``, keeping the outer hyperparameters of the command line
-        (:class:`UsageError` if the checkpoint has none). Collective for ``diloco``."""
+        PowerSGD's state from ``extra`` when the checkpoint has it (else it warms up again)."""
         if self._hook_state is not None:
             self._hook_state.iter = min(step, self._hook_state.start_localSGD_iter)
         if self._power_sgd is not None and any(k.startswith(POWER_SGD_PREFIX) for k in extra):
             self._power_sgd.load_state_dict(extra, prefix=POWER_SGD_PREFIX)
+
+    def apply_hyperparameters(self, config: TrainConfig) -> None:
+        """Set the optimizers' hyperparameters to ``config``'s: after a resume, loading the
+        optimizer state brought back the checkpoint's (the inner learning rate, and DiLoCo's
+        outer learning rate and momentum)."""
+        for group in self.optimizer.param_groups:
+            group.update(inner_defaults(config))
         if self._diloco is not None:
-            outer = self._diloco.outer_optimizer
-            wanted = [{k: v for k, v in g.items() if k != "params"} for g in outer.param_groups]
-            try:
-                load_diloco_extra(self._diloco, extra)
-            except KeyError as error:   # the same extras on every rank
-                raise UsageError(f"--optimizer diloco --resume: {error.args[0]}") from None
-            for group, hyperparameters in zip(outer.param_groups, wanted):
-                group.update(hyperparameters)
+            for group in self._diloco.outer_optimizer.param_groups:
+                group.update(_outer_defaults(config))
 
     @property
     def replica_group(self) -> Optional[MPI.Intracomm]:
@@ -146,6 +134,12 @@ def _gradients_already_averaged() -> None:
     """DistributedDataParallel averaged the gradients during ``backward()``."""
 
 
+def _outer_defaults(config: TrainConfig) -> dict:
+    """Hyperparameters of DiLoCo's outer SGD (Nesterov unless the momentum is 0)."""
+    return {"lr": config.outer_lr, "momentum": config.outer_momentum,
+            "nesterov": config.outer_momentum > 0}
+
+
 def _gradients_stay_local() -> None:
     """Each rank steps on its own gradients (``node_local``: the optimizer averages them within
     the node); the optimizer syncs the replicas now and then."""
@@ -155,8 +149,7 @@ def _diloco(module: nn.Module, config: TrainConfig, group: comm.ProcessGroup) ->
     """``diloco``: the inner optimizer and an outer SGD with Nesterov momentum, both over the
     model's parameters, in a DiLoCoOptimizer. Collective over ``group``."""
     inner = INNER[config.inner](module.parameters(), **inner_defaults(config))
-    outer = torch.optim.SGD(module.parameters(), lr=config.outer_lr,
-                            momentum=config.outer_momentum, nesterov=config.outer_momentum > 0)
+    outer = torch.optim.SGD(module.parameters(), **_outer_defaults(config))
     delta_dtype = None if config.delta_dtype == "float32" else getattr(torch, config.delta_dtype)
     optimizer = DiLoCoOptimizer(inner, outer, config.sync_every, process_group=group.parent,
                                 fragments=config.fragments, delta_dtype=delta_dtype,
