@@ -9,7 +9,7 @@ import pytest
 from launch import only_in_single_rank_run
 from simulated_nodes import NodesUnavailable, SimulatedNodes
 from tensorplay_hpc.bench.cli import available
-from tensorplay_hpc.bench.local_sgd import CASES, LINK, Curve
+from tensorplay_hpc.bench.local_sgd import CASES, LINK, STEPS, Curve
 from tensorplay_hpc.train.history import History
 
 RECEIVE = ("import socket\n"
@@ -31,10 +31,18 @@ def test_curve_has_the_validation_steps_bytes_and_seconds_of_the_metrics(tmp_pat
 def test_benchmark_is_listed_and_compares_every_kind_with_ddp_first():
     assert "local-sgd" in available()
     names = [case.name for case in CASES]
-    assert names[0] == "ddp" and len(set(names)) == len(names) == 11
+    assert names[0] == "ddp" and len(set(names)) == len(names) == 13
     assert {"postlocal period=4", "postlocal period=16", "diloco H=16", "diloco H=64",
             "diloco H=256", "diloco H=16 bfloat16", "diloco H=64 fragments=4",
-            "diloco H=64 node-local"} <= set(names)
+            "diloco H=64 node-local", "diloco H=64 node-local 1024 steps"} <= set(names)
+    assert {case.steps for case in CASES} == {STEPS, 2 * STEPS}
+
+
+def test_first_validation_within_a_loss():
+    curve = Curve(steps=[64, 128, 192], losses=[3.0, 2.04, 1.9], crossed=[1, 2, 3],
+                  seconds=[1.0, 2.0, 3.0])
+    assert curve.first_within(2.05) == 1 and curve.first_within(1.9) == 2
+    assert curve.first_within(1.5) is None
 
 
 @only_in_single_rank_run

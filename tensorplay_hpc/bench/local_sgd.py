@@ -1,13 +1,15 @@
 """Bytes to loss: the training job's char-LM at 4 ranks over 2 simulated nodes whose link is
 throttled, for DDP, post-local SGD and DiLoCo (a replica per rank, or per node with
-``--node-local``), the same steps, seed and batches for each.
+``--node-local``), the same seed and batches for each, and the same steps but for two DiLoCo
+runs of twice as many (a faster method may take more steps to reach the same loss).
 
 Every case runs ``tensorplay-hpc train`` as a job of its own across the nodes of
 ``tests/simulated_nodes.py`` (Linux namespaces, TCP between them, each node's link limited to
 :data:`LINK` by ``tc``), so it needs root and the repository's checkout. A case reports its final
 validation loss, the bytes the nodes sent each other (``cross_node_bytes`` of ``metrics.csv``)
 and its training time (the steps alone, from the job's own throughput; startup, validation and
-checkpoints left out), each against DDP's. The table, one JSON object per case and a plot of
+checkpoints left out), each against DDP's, and the bytes and time at its first validation within
+:data:`REACHED` of DDP's final loss. The table, one JSON object per case and a plot of
 validation loss against bytes and against time go to :data:`OUTPUT` in the working folder.
 
 Run it as one process: ``python -m tensorplay_hpc.bench local-sgd``.
@@ -22,13 +24,14 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import tensorplay_hpc
 from tensorplay_hpc.bench.report import Report
 from tensorplay_hpc.comm.mpi import MPI
 
-__all__ = ["CASES", "COMMON", "LINK", "OUTPUT", "RANKS", "Case", "Curve", "run"]
+__all__ = ["CASES", "COMMON", "LINK", "OUTPUT", "RANKS", "REACHED", "STEPS", "Case", "Curve",
+           "run"]
 
 LINK = "100mbit"
 """The rate each node may send at (``tc ... tbf``); this kernel has no ``netem``, so no delay."""
@@ -36,7 +39,11 @@ RANKS, NODES = 4, 2
 OUTPUT = Path("local-sgd")
 """Where the table (``table.md``), the JSON lines (``results.jsonl``), the plot
 (``local-sgd.png``) and each case's ``metrics.csv`` (as ``CASE.csv``) go."""
-COMMON = ["--steps", "512", "--layers", "2", "--width", "64", "--heads", "4", "--context", "64",
+STEPS = 512
+"""The steps of a case, unless it says otherwise."""
+REACHED = 0.02
+"""A case reaches DDP's loss at its first validation at most this fraction above DDP's final."""
+COMMON = ["--layers", "2", "--width", "64", "--heads", "4", "--context", "64",
           "--batch-size", "32", "--inner", "adamw", "--lr", "0.003", "--seed", "0",
           "--eval-every", "64", "--eval-batches", "8", "--checkpoint-every", "0",
           "--warmup-steps", "32", "--threads", "1", "--no-progress", "--log-every", "64"]
@@ -49,15 +56,17 @@ class Case:
 
     name: str
     options: Tuple[str, ...]
+    steps: int = STEPS
 
 
 def _diloco(sync: int, fragments: int = 1, dtype: str = "float32",
-            node_local: bool = False) -> Case:
+            node_local: bool = False, steps: int = STEPS) -> Case:
     name = f"diloco H={sync}" + (f" fragments={fragments}" if fragments > 1 else "") + (
-        f" {dtype}" if dtype != "float32" else "") + (" node-local" if node_local else "")
+        f" {dtype}" if dtype != "float32" else "") + (" node-local" if node_local else "") + (
+        f" {steps} steps" if steps != STEPS else "")
     return Case(name, ("--optimizer", "diloco", "--sync-every", str(sync), "--fragments",
                        str(fragments), "--delta-dtype", dtype,
-                       *(("--node-local",) if node_local else ())))
+                       *(("--node-local",) if node_local else ())), steps)
 
 
 CASES: Sequence[Case] = (
@@ -66,7 +75,8 @@ CASES: Sequence[Case] = (
     Case("postlocal period=16", ("--optimizer", "postlocal", "--average-period", "16")),
     _diloco(16), _diloco(64), _diloco(256), _diloco(16, dtype="bfloat16"),
     _diloco(64, fragments=4), _diloco(64, fragments=4, dtype="bfloat16"),
-    _diloco(16, dtype="bfloat16", node_local=True), _diloco(64, node_local=True))
+    _diloco(16, dtype="bfloat16", node_local=True), _diloco(64, node_local=True),
+    _diloco(64, steps=2 * STEPS), _diloco(64, node_local=True, steps=2 * STEPS))
 
 
 @dataclass
@@ -92,6 +102,10 @@ class Curve:
                     curve.seconds.append(step * tokens_per_step / float(row["tokens_per_second"]))
         return curve
 
+    def first_within(self, loss: float) -> Optional[int]:
+        """The position of the first validation at or below ``loss``; ``None`` if none is."""
+        return next((i for i, value in enumerate(self.losses) if value <= loss), None)
+
 
 def _tests_folder() -> Path:
     """The checkout's ``tests`` folder, which holds the simulated nodes."""
@@ -109,7 +123,8 @@ def _run_case(case: Case, cluster, launch) -> Curve:
     folder = case.name.replace(" ", "_").replace("=", "")
     run_dir = cluster.scratch / folder
     command = [*launch.mpiexec_prefix(cluster), "-n", str(RANKS), sys.executable, "-m",
-               "tensorplay_hpc", "train", *COMMON, *case.options, "--run-dir", str(run_dir)]
+               "tensorplay_hpc", "train", *COMMON, "--steps", str(case.steps), *case.options,
+               "--run-dir", str(run_dir)]
     started = time.perf_counter()
     result = subprocess.run(command, env=launch.clean_env(), capture_output=True, text=True,
                             timeout=1800)
@@ -147,13 +162,25 @@ def _plot(curves: Dict[str, Curve], path: Path) -> None:
 
 
 def _table(rows: List[dict]) -> str:
-    lines = ["| case | validation loss | vs DDP | MB between nodes | vs DDP | training s | "
-             "vs DDP |", "|---|---|---|---|---|---|---|"]
+    lines = ["| case | steps | validation loss | vs DDP | MB between nodes | vs DDP | training s | "
+             f"vs DDP | DDP's loss +{REACHED:.0%} reached at: step, MB, s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['case']} | {r['validation_loss']:.4f} | {r['loss_ratio']:.3f} | "
-                     f"{r['bytes'] / 1e6:.1f} | {r['bytes_ratio']:.4f} | {r['ours_s']:.1f} | "
-                     f"{r['ours_s'] / r['baseline_s']:.2f} |")
+        reached = ("not reached" if r["reached_step"] is None else
+                   f"{r['reached_step']}, {r['reached_bytes'] / 1e6:.1f}, {r['reached_s']:.1f}")
+        lines.append(f"| {r['case']} | {r['steps']} | {r['validation_loss']:.4f} | "
+                     f"{r['loss_ratio']:.3f} | {r['bytes'] / 1e6:.1f} | {r['bytes_ratio']:.4f} | "
+                     f"{r['ours_s']:.1f} | {r['ours_s'] / r['baseline_s']:.2f} | {reached} |")
     return "\n".join(lines) + "\n"
+
+
+def _reached(curve: Curve, loss: float) -> Dict[str, Optional[float]]:
+    """The step, bytes and seconds at ``curve``'s first validation at or below ``loss``."""
+    at = curve.first_within(loss)
+    if at is None:
+        return {"reached_step": None, "reached_bytes": None, "reached_s": None}
+    return {"reached_step": curve.steps[at], "reached_bytes": curve.crossed[at],
+            "reached_s": curve.seconds[at]}
 
 
 def run(report: Report) -> None:
@@ -177,7 +204,8 @@ def run(report: Report) -> None:
                        nbytes=curve.crossed[-1], ranks=RANKS, link=LINK,
                        steps=curve.steps[-1], validation_loss=curve.losses[-1],
                        loss_ratio=curve.losses[-1] / ddp.losses[-1],
-                       bytes_ratio=curve.crossed[-1] / ddp.crossed[-1])
+                       bytes_ratio=curve.crossed[-1] / ddp.crossed[-1],
+                       **_reached(curve, ddp.losses[-1] * (1 + REACHED)))
             for name, curve in curves.items()]
     (OUTPUT / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (OUTPUT / "table.md").write_text(_table(rows))
