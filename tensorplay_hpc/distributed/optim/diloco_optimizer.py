@@ -11,7 +11,9 @@ from tensorplay_hpc import comm
 from tensorplay_hpc.comm.agreement import fail_together
 from tensorplay_hpc.comm.communicators import free, split
 from tensorplay_hpc.comm.mpi import MPI
-from tensorplay_hpc.distributed.optim.fragment_schedule import FragmentSchedule
+
+from .fragment_schedule import FragmentSchedule
+from .wrapping_optimizer import WrappingOptimizer
 
 __all__ = ["DiLoCoOptimizer"]
 
@@ -33,7 +35,7 @@ class _Sync:
         self.average: Optional[List[torch.Tensor]] = None  # the averaged deltas, once complete
 
 
-class DiLoCoOptimizer(torch.optim.Optimizer, comm.Closeable):
+class DiLoCoOptimizer(WrappingOptimizer, comm.Closeable):
     """DiLoCo over MPI: each :meth:`step` is a step of the inner optimizer; every
     ``sync_every`` inner steps (per fragment) the ranks average the delta ``global - local`` of
     the fragment's parameters, the outer optimizer steps the kept global copy with that average
@@ -198,18 +200,6 @@ class DiLoCoOptimizer(torch.optim.Optimizer, comm.Closeable):
         return parts
 
     # -- the torch.optim.Optimizer interface -----------------------------------------------
-
-    @property
-    def param_groups(self) -> List[Dict[str, Any]]:  # type: ignore[override]
-        return self.optim.param_groups
-
-    @property
-    def state(self):  # type: ignore[override]
-        return self.optim.state
-
-    @property
-    def defaults(self) -> Dict[str, Any]:  # type: ignore[override]
-        return self.optim.defaults
 
     def __repr__(self) -> str:
         return (f"DiLoCoOptimizer(sync_every={self.schedule.sync_every}, fragments="

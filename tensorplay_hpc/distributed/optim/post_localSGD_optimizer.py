@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
 from tensorplay_hpc.distributed.algorithms.model_averaging.averagers import ModelAverager
+
+from .wrapping_optimizer import WrappingOptimizer
 
 __all__ = ["PostLocalSGDOptimizer"]
 
@@ -14,7 +16,7 @@ NO_STEP_WARNING = ("Loaded state dict does not contain a step counter for an ave
                    "Setting step counter to 0.")
 
 
-class PostLocalSGDOptimizer(torch.optim.Optimizer):
+class PostLocalSGDOptimizer(WrappingOptimizer):
     """Wraps a local ``torch.optim.Optimizer`` and runs post-local SGD: every :meth:`step` is a
     local step followed by ``averager.average_parameters`` on the optimizer's param groups (the
     averager decides whether this step averages).
@@ -41,18 +43,6 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
         # The wrapped optimizer owns the parameters and state; nothing is copied here.
         self.optim = optim
         self.averager = averager
-
-    @property
-    def param_groups(self) -> List[Dict[str, Any]]:  # type: ignore[override]
-        return self.optim.param_groups
-
-    @property
-    def state(self):  # type: ignore[override]
-        return self.optim.state
-
-    @property
-    def defaults(self) -> Dict[str, Any]:  # type: ignore[override]
-        return self.optim.defaults
 
     def __repr__(self) -> str:
         return repr(self.optim)
