@@ -35,5 +35,5 @@ case $lane in
         echo "TENSORPLAY_MPI=$lane: choose system, mpich, impi or openmpi5" >&2
         return 2 ;;
 esac
-# The same launch for jobs that tests start themselves (tests/launch.py reads it).
+# The same launch for jobs that tests start themselves (tests/support/launch.py reads it).
 export TENSORPLAY_MPIEXEC="${MPIEXEC[*]}"

@@ -60,7 +60,7 @@ for ranks in "${rank_counts[@]}"; do
 done
 if [ "$nodes" = yes ] && [ "$(id -u)" -eq 0 ]; then
     echo "=== $lane: pytest under mpiexec -n 4 over 2 simulated nodes of 2 ranks (TCP between them) ==="
-    if ! timeout 1800 python tests/simulated_nodes.py --nodes 2 --slots 2 --mpiexec -- \
+    if ! timeout 1800 python tests/support/simulated_nodes.py --nodes 2 --slots 2 --mpiexec -- \
             "${MPIEXEC[@]:1}" -n 4 python -m pytest --with-mpi -q "$@"; then
         echo "=== $lane: FAILED with 4 ranks over 2 nodes ==="
         status=1
@@ -70,6 +70,6 @@ elif [ "$nodes" = yes ]; then
 fi
 if [ "$lane" = system ] && python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     echo "=== GPU checks ==="
-    "${MPIEXEC[@]}" -n 2 python tests/gpu_check.py || status=1
+    "${MPIEXEC[@]}" -n 2 python tests/support/gpu_check.py || status=1
 fi
 exit $status

@@ -12,8 +12,6 @@ from tensorplay_hpc.bench.gloo import init_gloo
 from tensorplay_hpc.comm import environment
 
 WORLD = MPI.COMM_WORLD
-# Test helpers (launch.py, job scripts) import each other from this folder.
-sys.path.insert(0, os.path.dirname(__file__))
 
 
 @pytest.hookimpl(trylast=True)

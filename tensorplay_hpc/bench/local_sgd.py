@@ -4,7 +4,7 @@ throttled, for DDP, post-local SGD and DiLoCo (a replica per rank, or per node w
 runs of twice as many (a faster method may take more steps to reach the same loss).
 
 Every case runs ``tensorplay-hpc train`` as a job of its own across the nodes of
-``tests/simulated_nodes.py`` (Linux namespaces, TCP between them, each node's link limited to
+``tests/support/simulated_nodes.py`` (Linux namespaces, TCP between them, each node's link limited to
 :data:`LINK` by ``tc``), so it needs root and the repository's checkout. A case reports its final
 validation loss, the bytes the nodes sent each other (``cross_node_bytes`` of ``metrics.csv``)
 and its training time (the steps alone, from the job's own throughput; startup, validation and
@@ -107,14 +107,14 @@ class Curve:
         return next((i for i, value in enumerate(self.losses) if value <= loss), None)
 
 
-def _tests_folder() -> Path:
-    """The checkout's ``tests`` folder, which holds the simulated nodes."""
-    tests = Path(tensorplay_hpc.__file__).resolve().parents[1] / "tests"
-    if not (tests / "simulated_nodes.py").exists():
+def _support_folder() -> Path:
+    """The checkout's ``tests/support`` folder, which holds the simulated nodes."""
+    support = Path(tensorplay_hpc.__file__).resolve().parents[1] / "tests" / "support"
+    if not (support / "simulated_nodes.py").exists():
         raise RuntimeError(f"local-sgd runs its jobs on the simulated nodes of the repository's "
-                           f"tests/simulated_nodes.py, which is not at {tests}: run it from a "
-                           "checkout (pip install -e .)")
-    return tests
+                           f"tests/support/simulated_nodes.py, which is not in {support}: run it "
+                           "from a checkout (pip install -e .)")
+    return support
 
 
 def _run_case(case: Case, cluster, launch) -> Curve:
@@ -189,7 +189,7 @@ def run(report: Report) -> None:
         raise RuntimeError("local-sgd launches jobs of its own across simulated nodes: run it as "
                            "one process (python -m tensorplay_hpc.bench local-sgd), not under "
                            f"mpiexec -n {MPI.COMM_WORLD.Get_size()}")
-    sys.path.insert(0, str(_tests_folder()))
+    sys.path.insert(0, str(_support_folder()))
     import launch
     from simulated_nodes import SimulatedNodes
     OUTPUT.mkdir(parents=True, exist_ok=True)

@@ -5,17 +5,16 @@ checkpoints, the trace and the wait of a nonblocking coalesced allreduce. The en
 are not collective return on that rank.
 
 Each case is a job of its own (``one_rank_call_job.py``); the jobs run a few at a time."""
-import os
 import re
 from typing import Dict, List, Optional
 
 import pytest
 
 from concurrent_jobs import Ended, run_side_by_side
-from launch import only_in_single_rank_run
+from launch import SUPPORT, only_in_single_rank_run
 from one_rank_call_job import COLLECTIVE, LOCAL, caller
 
-JOB = os.path.join(os.path.dirname(__file__), "one_rank_call_job.py")
+JOB = str(SUPPORT / "one_rank_call_job.py")
 TIMEOUT_S = 5
 """The watchdog's limit in these jobs."""
 WITHIN_S = 15

@@ -1,6 +1,6 @@
 """A real Slurm for tests of ``jobs/``: munge and Debian's ``slurm-wlm``, run as root without
 systemd, state and logs in a temporary folder, stopped afterwards. One node (this machine), or
-one per simulated node (``tests/simulated_nodes.py``):
+one per simulated node (``tests/support/simulated_nodes.py``):
 
     with SlurmCluster() as cluster:
         job = cluster.sbatch(["jobs/train.sbatch", "--steps", "10"], cwd=repo)

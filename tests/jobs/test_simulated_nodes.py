@@ -8,7 +8,7 @@ pytestmark = only_in_single_rank_run
 
 
 def probe(nodes, *flags: str):
-    return mpiexec(4, ["tests/node_probe.py"], nodes=nodes, flags=flags, timeout=120)
+    return mpiexec(4, ["tests/support/node_probe.py"], nodes=nodes, flags=flags, timeout=120)
 
 
 def test_ranks_see_two_nodes_of_two(simulated_nodes):

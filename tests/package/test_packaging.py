@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import MPIEXEC, REPO, clean_env, only_in_single_rank_run
+from launch import MPIEXEC, REPO, SUPPORT, clean_env, only_in_single_rank_run
 
 try:
     import tomllib
@@ -109,7 +109,7 @@ def test_wheel_installs_and_runs_on_two_ranks(dist, tmp_path):
     assert result.stdout == f"tensorplay-hpc {version}\n"
 
     out = tmp_path / "found.json"
-    command = [*MPIEXEC, "-n", "2", str(python), str(REPO / "tests" / "packaging_smoke.py"),
+    command = [*MPIEXEC, "-n", "2", str(python), str(SUPPORT / "packaging_smoke.py"),
                str(out), str(tmp_path / "smoke.h5")]
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
                             timeout=150)

@@ -1,6 +1,6 @@
 """GPU checks of the communication layer, run when a GPU is present:
 
-    mpiexec -n 2 python tests/gpu_check.py
+    mpiexec -n 2 python tests/support/gpu_check.py
 
 Each collective runs on CUDA tensors twice: staged through pinned host memory
 (TENSORPLAY_HPC_CUDA_AWARE=0) and, when the MPI library is CUDA-aware, with device pointers

@@ -187,7 +187,7 @@ def test_train_sbatch_is_signalled_requeued_and_finishes_like_an_uninterrupted_r
 def test_srun_in_a_two_node_job_runs_two_ranks_on_each_node(two_nodes, simulated_nodes):
     output = _shared_folder(simulated_nodes, "probe") / "probe.out"
     job = two_nodes.sbatch([f"--output={output}", "--nodes=2", "--ntasks-per-node=2", "--wrap",
-                            f"srun --mpi=pmix {sys.executable} tests/node_probe.py"],
+                            f"srun --mpi=pmix {sys.executable} tests/support/node_probe.py"],
                            cwd=REPO, env=clean_env())
     info = _wait_for_state(two_nodes, job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, 120)
     log = output.read_text(errors="replace")

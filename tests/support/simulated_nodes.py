@@ -26,7 +26,7 @@ Needs root (it creates namespaces). Use it from Python::
     with SimulatedNodes(nodes=2, slots=2) as cluster:
         cluster.run(["mpiexec", *cluster.mpiexec_flags(), "-n", "4", "python", "job.py"])
 
-or from the shell: ``python tests/simulated_nodes.py --nodes 2 --slots 2 -- COMMAND`` runs
+or from the shell: ``python tests/support/simulated_nodes.py --nodes 2 --slots 2 -- COMMAND`` runs
 COMMAND in the launcher with ``TENSORPLAY_TEST_NODES`` set, and with ``--mpiexec`` it runs
 ``mpiexec CLUSTER-OPTIONS ARGS`` there (``-- ARGS``: options of your own, ``-n``, the program). A process that runs with that
 variable (a test, or a rank of a job) gets the same cluster back from :func:`from_env`, so it
@@ -50,7 +50,7 @@ from typing import Dict, List, Optional
 ENV = "TENSORPLAY_TEST_NODES"
 """Set, in the launcher and in every job, to the folder that describes the running cluster."""
 
-CHECKOUT = Path(__file__).resolve().parents[1]
+CHECKOUT = Path(__file__).resolve().parents[2]
 """This repository: kept at its path on every node, even under a node's private /tmp."""
 
 SUBNET = "10.213.17"
@@ -271,7 +271,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description="Run COMMAND in the launcher of a cluster of simulated nodes (created for "
                     "it, removed after). The command sees TENSORPLAY_TEST_NODES and can launch "
-                    "with `mpiexec $(python tests/simulated_nodes.py --flags) ...`.")
+                    "with `mpiexec $(python tests/support/simulated_nodes.py --flags) ...`.")
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--slots", type=int, default=2, help="ranks per node")
     parser.add_argument("--throttle", metavar="RATE",

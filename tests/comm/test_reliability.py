@@ -9,13 +9,13 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from launch import mpiexec, only_in_single_rank_run
+from launch import SUPPORT, mpiexec, only_in_single_rank_run
 from tensorplay_hpc import comm
 from tensorplay_hpc.comm import watchdog
 from tensorplay_hpc.comm.agreement import fail_together
 from tensorplay_hpc.comm.consistency import DEBUG_ENV, check_consistent, tensor_signature
 
-JOB = os.path.join(os.path.dirname(__file__), "fault_job.py")
+JOB = str(SUPPORT / "fault_job.py")
 
 
 @pytest.fixture

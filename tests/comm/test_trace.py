@@ -11,7 +11,7 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from launch import mpiexec, only_in_single_rank_run
+from launch import SUPPORT, mpiexec, only_in_single_rank_run
 from tensorplay_hpc import comm
 from tensorplay_hpc.comm import capabilities, trace
 from tensorplay_hpc.comm.capabilities import TRANSPORT_ENV
@@ -21,7 +21,7 @@ from tensorplay_hpc.train.loop import train
 from tensorplay_hpc.train.timeline import TIMELINE_FILE
 
 WORLD = MPI.COMM_WORLD
-JOB = os.path.join(os.path.dirname(__file__), "fault_job.py")
+JOB = str(SUPPORT / "fault_job.py")
 
 
 @pytest.fixture

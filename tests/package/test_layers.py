@@ -94,7 +94,7 @@ def violations(root: Path) -> List[str]:
         here = area(source)
         if here not in LEVEL:
             found.append(f"{path.relative_to(root.parent)}: area {here!r} is in no layer of "
-                         "tests/test_layers.py (place it there and in docs/developers.md)")
+                         "tests/package/test_layers.py (place it there and in docs/developers.md)")
             continue
         for line, target in imports(path, root):
             there = area(target)
@@ -153,7 +153,7 @@ def test_upward_sideways_and_late_imports_are_named(tmp_path):
 def test_an_area_outside_the_layers_is_named(tmp_path):
     root = _write(tmp_path, {"__init__.py": "", "plugins/extra.py": ""})
     assert violations(root) == ["tensorplay_hpc/plugins/extra.py: area 'plugins' is in no layer "
-                                "of tests/test_layers.py (place it there and in docs/developers.md)"]
+                                "of tests/package/test_layers.py (place it there and in docs/developers.md)"]
 
 
 @pytest.mark.parametrize("module, expected", [

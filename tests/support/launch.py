@@ -14,7 +14,9 @@ from mpi4py import MPI
 
 from simulated_nodes import SimulatedNodes
 
-REPO = Path(__file__).resolve().parents[1]
+SUPPORT = Path(__file__).resolve().parent
+"""This folder: the helpers and the job scripts that tests launch."""
+REPO = SUPPORT.parents[1]
 MPIEXEC = shlex.split(os.environ.get("TENSORPLAY_MPIEXEC", "mpiexec"))
 """The launch of the running lane (``scripts/env.sh`` sets ``TENSORPLAY_MPIEXEC``)."""
 ONLY_UNDER_ONE_RANK = "launches its own jobs: runs only when the tests run on one rank"

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from checkpoint_job import make_model, train
-from launch import mpiexec, only_in_single_rank_run
+from launch import SUPPORT, mpiexec, only_in_single_rank_run
 from tensorplay_hpc import checkpoint
 
-JOB = os.path.join(os.path.dirname(__file__), "checkpoint_job.py")
+JOB = str(SUPPORT / "checkpoint_job.py")
 pytestmark = only_in_single_rank_run
 
 

@@ -8,7 +8,7 @@ from typing import Iterator, List, Set, Tuple
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "tensorplay_hpc"
+PACKAGE = Path(__file__).resolve().parents[2] / "tensorplay_hpc"
 COMM = PACKAGE / "comm"
 
 BUFFER_COLLECTIVES = {

@@ -8,9 +8,9 @@ import re
 import pytest
 
 from concurrent_jobs import Ended, run_side_by_side
-from launch import only_in_single_rank_run
+from launch import SUPPORT, only_in_single_rank_run
 
-JOB = os.path.join(os.path.dirname(__file__), "training_fault_job.py")
+JOB = str(SUPPORT / "training_fault_job.py")
 RAISING = ("zero", "ddp", "hook")
 """The loops in which the last rank raises."""
 WITHIN_S = 15

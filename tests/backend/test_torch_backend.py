@@ -16,7 +16,7 @@ from tensorplay_hpc.comm import trace
 from tensorplay_hpc.comm.chunking import CHUNK_ENV
 from tensorplay_hpc.distributed.backend import BACKEND_NAME, MPIProcessGroup, UnsupportedOperation
 
-from launch import mpiexec, only_in_single_rank_run
+from launch import SUPPORT, mpiexec, only_in_single_rank_run
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -424,7 +424,7 @@ def test_torch_zero_redundancy_optimizer_matches_gloo(groups):
 
 # --- dist.init_process_group("mpi4py") in a job of its own ---------------------------------------
 
-JOB = os.path.join(os.path.dirname(__file__), "torch_backend_job.py")
+JOB = str(SUPPORT / "torch_backend_job.py")
 
 
 @only_in_single_rank_run

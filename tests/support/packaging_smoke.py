@@ -1,4 +1,4 @@
-"""A 2-rank job against an installed wheel, run by tests/test_packaging.py with the new
+"""A 2-rank job against an installed wheel, run by tests/package/test_packaging.py with the new
 environment's python, as a user would run it after ``pip install tensorplay-hpc``:
 
     packaging_smoke.py OUT_JSON CHECKPOINT_FILE

@@ -5,16 +5,15 @@ parameter allgather and its consistency check, a checkpoint's write; a 40 s stal
 ``checkpoint.save`` and ``checkpoint.load``, and before the library's first collective.
 
 Each case is a job of ``stopped_rank_job.py``; they run side by side."""
-import os
 import re
 
 import pytest
 
 from concurrent_jobs import run_side_by_side
-from launch import only_in_single_rank_run
+from launch import SUPPORT, only_in_single_rank_run
 from stopped_rank_job import CASES, STALL_S
 
-JOB = os.path.join(os.path.dirname(__file__), "stopped_rank_job.py")
+JOB = str(SUPPORT / "stopped_rank_job.py")
 WITHIN_S = 20
 """How soon after the stop or the stall's start a job must have ended."""
 
