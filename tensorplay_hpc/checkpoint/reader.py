@@ -1,6 +1,7 @@
 """Reading a checkpoint file: validation, checksummed tensors and attributes. Not collective:
 each rank opens the file read-only and reads only what it needs; :attr:`Reader.bytes_read`
-counts the bytes of tensor values it read. Small tensors read together are read from their
+counts the bytes of tensor values it read. HDF5 locks the file only where the file system
+takes locks (see :mod:`.locking`). Small tensors read together are read from their
 packed dataset in a few long stretches, however many there are."""
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 import torch
 
 from . import format as fmt
-from . import values
+from . import locking, values
 from .catalog import CRC, DTYPE, NUMEL, OFFSET, Catalog, packed_dataset, stored_dtype
 
 __all__ = ["Reader"]
@@ -41,7 +42,7 @@ class Reader:
         if not os.path.exists(self.path):
             raise fmt.CheckpointError(f"{self.path}: no such checkpoint file")
         try:
-            self.file = h5py.File(self.path, "r")
+            self.file = h5py.File(self.path, "r", locking=locking.file_locking(self.path))
         except OSError as error:
             raise fmt.CheckpointError(f"{self.path}: not a readable HDF5 file (truncated or "
                                       f"corrupted?): {error}") from None

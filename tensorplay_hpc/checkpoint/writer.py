@@ -32,15 +32,20 @@ from tensorplay_hpc.comm.mpi import MPI
 
 from tensorplay_hpc.comm.agreement import fail_together
 from tensorplay_hpc.comm.communicators import close_file, open_file
-from tensorplay_hpc.comm.small_collectives import (all_gather_object, barrier, broadcast_array,
-                                                   broadcast_object, gather_array, quiet_barrier)
+from tensorplay_hpc.comm.file_writes import write_at_all
+from tensorplay_hpc.comm.small_collectives import (all_gather_object, all_reduce_object, barrier,
+                                                   broadcast_array, broadcast_object,
+                                                   gather_array, quiet_barrier)
 
 from . import files
 from . import format as fmt
+from . import locking, striping
+from .guarded_file import GuardedFile
 from .catalog import COLUMNS, CRC, DTYPE, NUMEL, OFFSET, Catalog, packed_dataset, stored_dtype
 from .snapshot import Snapshot
 
-__all__ = ["Arrays", "Layout", "commit", "lay_out", "plan", "write", "write_data", "write_own"]
+__all__ = ["Arrays", "DEFAULT_WRITE", "Layout", "WRITE_ENV", "commit", "lay_out", "plan", "write",
+           "write_data", "write_own"]
 
 Arrays = List[Tuple[str, np.ndarray]]
 
@@ -49,6 +54,28 @@ _COLUMNS_DTYPE = np.dtype("<i8")
 _WRITE_BYTES = 1 << 20
 """The most bytes one MPI-IO write carries; longer runs are split, and the thread offers its core
 to others between writes (as :func:`.format.checksum` does between pieces)."""
+
+WRITE_ENV = "TENSORPLAY_HPC_CHECKPOINT_WRITE"
+DEFAULT_WRITE = "independent"
+"""How the ranks write their bytes: ``independent`` (each rank ``Write_at`` on a file it opens
+alone) or ``collective`` (``Write_at_all`` over the save's communicator, with ROMIO's collective
+buffering). The default is the faster of the two in ``bench checkpoint`` here (see
+docs/checkpoints.md); a background save always writes independently, since opening a file over
+a communicator makes one inside MPI, which must not wait for the main thread's."""
+
+_NOTHING = np.empty(0, dtype=np.uint8)
+
+
+def _collective() -> bool:
+    """Whether :data:`WRITE_ENV` asks for the collective write path.
+
+    Raises:
+        ValueError: it is neither ``independent`` nor ``collective``.
+    """
+    chosen = os.environ.get(WRITE_ENV, "").strip().lower() or DEFAULT_WRITE
+    if chosen not in ("independent", "collective"):
+        raise ValueError(f"{WRITE_ENV}={chosen!r}: expected independent or collective")
+    return chosen == "collective"
 
 
 def _file_size(catalog: Catalog) -> int:
@@ -75,7 +102,8 @@ def lay_out(temporary: str, catalog: Catalog, root_attributes: dict) -> Tuple[np
     the catalog and the root's attributes written, but for the catalog's columns (they hold the
     checksums), which are only allocated. Returns each dataset's byte offset in the file, in
     ``catalog.datasets``' order (``-1`` for one without elements), and the columns' offset
-    (``-1`` when there are no tensors). Local."""
+    (``-1`` when there are no tensors). Datasets of at least :func:`.striping.boundary` bytes
+    start on a multiple of it. Local."""
     offsets = np.full(len(catalog.datasets), -1, dtype=np.int64)
     end = 0
 
@@ -88,7 +116,10 @@ def lay_out(temporary: str, catalog: Catalog, root_attributes: dict) -> Tuple[np
         end = max(end, offset + dataset.id.get_storage_size())
         return offset
 
-    with h5py.File(temporary, "w") as f:
+    align = striping.boundary(os.path.dirname(temporary))
+    with GuardedFile(temporary) as target, h5py.File(
+            target, "w", locking=locking.file_locking(temporary),
+            alignment_threshold=align, alignment_interval=align) as f:
         for i, (name, (shape, dtype)) in enumerate(catalog.datasets.items()):
             offsets[i] = allocate(f, name, shape, dtype)
         encoded = catalog.encode()
@@ -199,14 +230,17 @@ def _runs(catalog: Catalog, first_row: int, arrays: Arrays, offsets: Dict[str, i
 
 
 def _write_run(handle: MPI.File, fd: int, position: int, run: List[np.ndarray],
-               lengths: List[int]) -> None:
-    """Write ``run``'s arrays (of ``lengths`` bytes) back to back at byte ``position`` of the
-    file, from their own memory, through MPI-IO (``handle``): one array as it is, several through
-    a datatype of their addresses. What MPI-IO leaves undone is finished, or explained, with
-    ``pwrite`` on ``fd`` (:func:`_write_rest`)."""
+               lengths: List[int], comm: Optional[MPI.Intracomm]) -> None:
+    """Write ``run``'s arrays (of ``lengths`` bytes; none: this rank's empty part of a
+    collective write) back to back at byte ``position`` of the file, from their own memory,
+    through MPI-IO (``handle``; ``Write_at_all`` over ``comm`` when it is given): one array as
+    it is, several through a datatype of their addresses. What MPI-IO leaves undone is finished,
+    or explained, with ``pwrite`` on ``fd`` (:func:`_write_rest`)."""
     datatype = None
     nbytes = sum(lengths)
-    if len(run) == 1:
+    if not run:
+        message = [_NOTHING, 0, MPI.BYTE]
+    elif len(run) == 1:
         message = [run[0], nbytes, MPI.BYTE]
     else:
         datatype = MPI.BYTE.Create_hindexed(lengths, [MPI.Get_address(part) for part in run])
@@ -214,7 +248,10 @@ def _write_run(handle: MPI.File, fd: int, position: int, run: List[np.ndarray],
         message = [MPI.BOTTOM, 1, datatype]
     status = MPI.Status()
     try:
-        handle.Write_at(position, message, status)
+        if comm is None:
+            handle.Write_at(position, message, status)
+        else:
+            write_at_all(handle, comm, position, message, status)
         done = status.Get_count(MPI.BYTE)
     except MPI.Exception:
         done = 0
@@ -225,48 +262,73 @@ def _write_run(handle: MPI.File, fd: int, position: int, run: List[np.ndarray],
         _write_rest(fd, position, run, nbytes, done)
 
 
-def _open_for_writing(temporary: str) -> MPI.File:
-    """The temporary file, opened for writing through MPI-IO by this rank alone.
+def _open_for_writing(temporary: str, comm: Optional[MPI.Intracomm]) -> MPI.File:
+    """The temporary file, opened for writing through MPI-IO with the hints of
+    :func:`.striping.hints`: by this rank alone, or collectively over ``comm`` when given.
 
     Raises:
         OSError: the system's reason when it refuses the file too (permissions, a missing
             folder), else ``EIO`` with MPI-IO's own.
     """
+    info = MPI.Info.Create()
+    for key, value in striping.hints(collective=comm is not None).items():
+        info.Set(key, value)
     try:
-        return open_file(MPI.COMM_SELF, temporary, MPI.MODE_WRONLY)
+        return open_file(MPI.COMM_SELF if comm is None else comm, temporary, MPI.MODE_WRONLY,
+                         info)
     except MPI.Exception as failure:
         os.close(os.open(temporary, os.O_WRONLY))
         raise OSError(errno.EIO, f"MPI-IO cannot open the file: {failure}") from None
+    finally:
+        info.Free()
 
 
 def write_own(temporary: str, catalog: Catalog, offsets: np.ndarray, first_row: int,
-               arrays: Arrays) -> np.ndarray:
+              arrays: Arrays, comm: Optional[MPI.Intracomm] = None) -> np.ndarray:
     """Write this rank's arrays (catalog rows ``first_row`` on) where their datasets lie
     (``offsets``, as :func:`lay_out` returns them), taking the CRC-32 of each run just before
     writing it, and ``fsync`` them: on a parallel file system each node holds its own writes
     until it syncs them, so rank 0's ``fsync`` at the commit would not make them durable.
-    Returns the arrays' checksums (``int64``). Local: the file is opened by this rank alone (an
-    MPI-IO open on more ranks creates a communicator, which Open MPI does one at a time per
-    process, so it could wait for the main thread's), and only if it has values to write."""
+    Returns the arrays' checksums (``int64``).
+
+    Without ``comm``, local: the file is opened by this rank alone (an MPI-IO open on more ranks
+    creates a communicator, which Open MPI does one at a time per process, so it could wait for
+    the main thread's), and only if it has values to write. With ``comm``, collective over it:
+    every rank opens the file and takes part in as many ``Write_at_all`` as the rank with the
+    most runs has (with nothing, once its own are written or one of them failed)."""
     crcs = np.zeros(len(arrays), dtype=np.int64)
     runs = list(_runs(catalog, first_row, arrays, dict(zip(catalog.datasets, offsets.tolist()))))
-    if not runs:
+    rounds = len(runs) if comm is None else all_reduce_object(len(runs), comm, MPI.MAX)
+    if not rounds:
         return crcs
-    handle = _open_for_writing(temporary)
+    handle = _open_for_writing(temporary, comm)
+    failure: Optional[OSError] = None
     try:
         fd = os.open(temporary, os.O_WRONLY)     # to start each run's writeback at once
         try:
-            for position, run, lengths, owners in runs:
+            for i in range(rounds):
+                if i >= len(runs) or failure is not None:
+                    _write_run(handle, fd, 0, [], [], comm)
+                    continue
+                position, run, lengths, owners = runs[i]
                 for part, owner in zip(run, owners):
                     crcs[owner] = fmt.checksum(part, int(crcs[owner]))
-                _write_run(handle, fd, position, run, lengths)
+                try:
+                    _write_run(handle, fd, position, run, lengths, comm)
+                except OSError as error:
+                    if comm is None:
+                        raise
+                    failure = error
                 files.start_writeback(fd, position, sum(lengths))
                 os.sched_yield()
-            os.fsync(fd)
+            if failure is not None:
+                raise failure
+            if runs:
+                os.fsync(fd)
         finally:
             os.close(fd)
     finally:
-        close_file(handle, MPI.COMM_SELF)
+        close_file(handle, MPI.COMM_SELF if comm is None else comm)
     return crcs
 
 
@@ -288,7 +350,7 @@ def _write(layout: Layout, comm: MPI.Intracomm, what: str) -> None:
     crcs = np.zeros(len(layout.arrays), dtype=np.int64)
     with fail_together(**together):
         crcs = write_own(layout.temporary, layout.catalog, offsets, layout.first_row,
-                          layout.arrays)
+                         layout.arrays, comm if _collective() and not layout.background else None)
     every = gather_array(crcs, layout.rows, comm)
     with fail_together(**together):
         if comm.Get_rank() == 0:
@@ -337,6 +399,7 @@ def plan(path: str, snapshot: Snapshot, comm: MPI.Intracomm, keep: Optional[int]
                 column.append(value)
         if rank == 0:
             os.makedirs(os.path.dirname(path), exist_ok=True)
+            files.remove_dead_temporaries(path)
 
     gathered = all_gather_object((layout, snapshot.attributes), comm)
     names, shapes, dtypes = ([value for part, _ in gathered for value in part[c]]
@@ -354,8 +417,8 @@ def plan(path: str, snapshot: Snapshot, comm: MPI.Intracomm, keep: Optional[int]
     temporary = broadcast_object(files.temporary_name(path) if rank == 0 else None, comm)
     with fail_together(**together, catch=OSError):
         if rank == 0:
-            files.check_space(path, _file_size(catalog))
-            files.create_empty(temporary)
+            files.check_space(temporary, _file_size(catalog))
+            striping.create(temporary)
     try:
         with fail_together(**together, catch=OSError):
             files.check_visible(temporary)

@@ -71,11 +71,12 @@ def free_window(window: MPI.Win, comm: MPI.Intracomm) -> None:
         window.Free()
 
 
-def open_file(comm: MPI.Intracomm, path: str, mode: int) -> MPI.File:
+def open_file(comm: MPI.Intracomm, path: str, mode: int,
+              info: Optional[MPI.Info] = None) -> MPI.File:
     """``path`` opened through MPI-IO by the ranks of ``comm`` (``File.Open``), with the
-    ``MPI.MODE_*`` flags ``mode``. Close it with :func:`close_file`."""
+    ``MPI.MODE_*`` flags ``mode`` and the hints ``info``. Close it with :func:`close_file`."""
     with _watched("File.Open", comm):
-        return MPI.File.Open(comm, path, mode)
+        return MPI.File.Open(comm, path, mode, MPI.INFO_NULL if info is None else info)
 
 
 def close_file(handle: MPI.File, comm: MPI.Intracomm) -> None:

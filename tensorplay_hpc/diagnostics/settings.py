@@ -13,6 +13,10 @@ from tensorplay_hpc.comm.cuda import CUDA_AWARE_ENV
 from tensorplay_hpc.comm.trace import TRACE_ENV
 from tensorplay_hpc.comm.watchdog import TIMEOUT_ENV
 from tensorplay_hpc.distributed.optim.distributed_optimizer import DIRECT_ENV
+from tensorplay_hpc.checkpoint.locking import LOCKING_ENV
+from tensorplay_hpc.checkpoint.striping import (ALIGN_ENV, DEFAULT_BOUNDARY, STRIPE_COUNT_ENV,
+                                               STRIPE_SIZE_ENV)
+from tensorplay_hpc.checkpoint.writer import DEFAULT_WRITE, WRITE_ENV
 
 __all__ = ["SETTINGS", "Setting", "current", "unknown"]
 
@@ -49,6 +53,19 @@ SETTINGS: Tuple[Setting, ...] = (
             "the most elements handed to one MPI call; longer messages are split"),
     Setting(PIECE_ENV, str(PIECE_BYTES),
             "bytes per piece of a large blocking allreduce"),
+    Setting(ALIGN_ENV, f"stripe size, else {DEFAULT_BOUNDARY}",
+            "bytes: checkpoint datasets of at least this size start on a multiple of it "
+            "(default: the stripe size asked for, else the file system's, else 4 MiB)"),
+    Setting(STRIPE_COUNT_ENV, "file system's",
+            "stripes of a new checkpoint file (lfs setstripe -c, ROMIO striping_factor)"),
+    Setting(STRIPE_SIZE_ENV, "file system's",
+            "bytes per stripe of a new checkpoint file (lfs setstripe -S, ROMIO striping_unit)"),
+    Setting(WRITE_ENV, DEFAULT_WRITE,
+            "independent or collective: how blocking checkpoint saves write (Write_at by each "
+            "rank, or Write_at_all with ROMIO's collective buffering)"),
+    Setting(LOCKING_ENV, "auto",
+            "on, off or auto: HDF5 file locking of checkpoint files (auto: "
+            "HDF5_USE_FILE_LOCKING if set, else on where the file system takes flock)"),
     Setting("TENSORPLAY_HPC_ROOT", "submit folder",
             "jobs/*.sbatch: the repository, when the job is submitted from elsewhere"),
 )
