@@ -11,8 +11,8 @@ import torch
 
 from tensorplay_hpc import checkpoint, comm
 from tensorplay_hpc.comm import trace
-from tensorplay_hpc.comm.communicators import split_by_node
 from tensorplay_hpc.comm.mpi import MPI
+from tensorplay_hpc.comm.node_layout import NodeLayout
 from tensorplay_hpc.comm.small_collectives import all_gather_object
 
 from . import strategy as strategies
@@ -49,9 +49,8 @@ def threads_per_rank(world: MPI.Intracomm, requested: int) -> int:
         return requested
     if os.environ.get("SLURM_CPUS_PER_TASK", "").isdigit():
         return int(os.environ["SLURM_CPUS_PER_TASK"])
-    node = split_by_node(world)
-    ranks_here = node.Get_size()
-    node.Free()
+    layout = NodeLayout(world)
+    ranks_here = len(layout.nodes[layout.node])
     return max(1, len(os.sched_getaffinity(0)) // ranks_here)
 
 

@@ -31,9 +31,6 @@ LOCAL_MAKERS = {"Get_group", "Get_info", "Incl", "Excl", "Range_incl", "Range_ex
 """mpi4py calls that make local objects (groups, info, datatypes). ``Free`` is collective on a
 communicator or a window, and counts as a raw call unless its receiver was made by one of these
 (or by ``MPI.Info.Create``)."""
-FREES_LEFT = {"tensorplay_hpc/train/loop.py"}
-"""Files that still free a communicator with a raw ``Free`` (to move to
-``comm.communicators.free``); a file leaves this list once it has none."""
 OBJECT_CALLS = {"allgather", "allreduce", "alltoall", "barrier", "bcast", "exscan", "gather",
                 "reduce", "scan", "scatter"}
 """mpi4py's collectives on pickled objects; names that the package's own modules and classes
@@ -122,29 +119,13 @@ def _is_watch(item: ast.withitem) -> bool:
     return name in ("watched", "_watched")
 
 
-def _relative(path: Path) -> str:
-    return path.relative_to(PACKAGE.parent).as_posix()
-
-
-def _left_free(path: Path, call: ast.Call) -> bool:
-    return call.func.attr == "Free" and _relative(path) in FREES_LEFT
-
-
 def test_no_raw_collective_outside_the_comm_layer():
     outside = [_where(path, call) for path in _sources(PACKAGE)
                if COMM not in path.parents and path.relative_to(PACKAGE).parts[0] not in NOT_LIBRARY
-               for call, _ in raw_calls(path) if not _left_free(path, call)]
+               for call, _ in raw_calls(path)]
     assert outside == [], ("mpi4py collectives called outside tensorplay_hpc/comm/ (use "
                            "comm.small_collectives, comm.communicators or comm.collectives):\n"
                            + "\n".join(outside))
-
-
-def test_the_files_left_still_free_raw():
-    """A file that no longer frees a communicator raw must leave :data:`FREES_LEFT`."""
-    done = [name for name in FREES_LEFT
-            if not any(_left_free(PACKAGE.parent / name, call)
-                       for call, _ in raw_calls(PACKAGE.parent / name))]
-    assert done == [], f"remove from FREES_LEFT: {done}"
 
 
 def test_every_raw_collective_in_the_comm_layer_is_watched():
