@@ -22,7 +22,7 @@ import json
 import math
 from functools import cached_property, lru_cache
 from itertools import chain
-from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 import h5py
 import numpy as np
@@ -194,16 +194,25 @@ class Catalog:
 
     # -- the file's copy -----------------------------------------------------------------
 
-    def encode(self) -> Dict[str, np.ndarray]:
-        """The datasets that hold the catalog in a file, by name."""
+    @cached_property
+    def _document(self) -> np.ndarray:
+        """The JSON document of names, dtypes and attributes, as bytes (made once: the writer's
+        metadata checksum and its layout both need it)."""
         document = {"names": self.names, "dtypes": self.dtypes, "attributes": self.attributes}
         text = json.dumps(document, default=_plain, separators=(",", ":"))
-        return {CATALOG: np.frombuffer(text.encode("utf-8"), dtype=np.uint8),
-                COLUMNS: self.columns, SHAPES: self.shapes}
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+
+    def encode(self) -> Dict[str, np.ndarray]:
+        """The datasets that hold the catalog in a file, by name."""
+        return {CATALOG: self._document, COLUMNS: self.columns, SHAPES: self.shapes}
 
     @classmethod
-    def read(cls, f: h5py.File, path: str, version: int) -> "Catalog":
-        """The catalog of an open file of format ``version``."""
+    def read(cls, f: h5py.File, path: str, version: int,
+             check: Optional[Callable[[np.ndarray, np.ndarray, np.ndarray], None]] = None
+             ) -> "Catalog":
+        """The catalog of an open file of format ``version``; ``check`` (version 4 on) is given
+        the catalog's datasets as read (document bytes, shapes, columns) before they are
+        decoded, and raises if they are damaged."""
         if version < 3:
             return cls._from_hdf5(f)
         for dataset in (CATALOG,) if version == 3 else (CATALOG, COLUMNS, SHAPES):
@@ -211,14 +220,18 @@ class Catalog:
                 raise fmt.CheckpointError(f"{path}: the checkpoint lacks its catalog (dataset "
                                           f"{dataset!r}): the file is damaged")
         try:
-            document = json.loads(f[CATALOG][()].tobytes().decode("utf-8"))
+            raw = f[CATALOG][()]
+            if version > 3:
+                columns, shapes = f[COLUMNS][()], f[SHAPES][()]
+                if check is not None:
+                    check(raw, shapes, columns)
+            document = json.loads(raw.tobytes().decode("utf-8"))
             attributes = document["attributes"]
             if not isinstance(attributes, dict):
                 raise ValueError("the attributes are not a mapping")
             if version == 3:
                 return cls._from_rows(_version3_rows(document["tensors"], path), attributes)
-            catalog = cls(document["names"], document["dtypes"], f[COLUMNS][()], f[SHAPES][()],
-                          attributes)
+            catalog = cls(document["names"], document["dtypes"], columns, shapes, attributes)
             catalog._validate()
             return catalog
         except (OSError, ValueError, KeyError, TypeError, IndexError) as error:

@@ -15,6 +15,7 @@ import functools
 import os
 import re
 import shutil
+import socket
 import uuid
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -23,8 +24,8 @@ from . import format as fmt
 from .reader import Reader
 
 __all__ = ["Order", "TEMP_MARK", "check_space", "check_visible", "checkpoints", "commit",
-           "create_empty", "discard", "latest", "order", "prune", "run_of", "start_writeback",
-           "temporary_name"]
+           "create_empty", "discard", "latest", "order", "prune", "remove_dead_temporaries",
+           "run_of", "start_writeback", "temporary_name"]
 
 TEMP_MARK = ".tmp-"
 
@@ -35,9 +36,64 @@ Order = Tuple[float, int, int, str]
 _good: Dict[str, Tuple[int, int, int]] = {}
 
 
+_TEMPORARY = re.compile(r"\.tmp-(?P<host>[^/]+)\.(?P<pids>\d+)\.(?P<pid>\d+)\.[0-9a-f]{8}"
+                        r"(\.space)?$")
+"""A temporary of :func:`temporary_name` (or its space probe): who made it."""
+
+
+@functools.lru_cache(maxsize=None)
+def _pid_namespace() -> int:
+    """The inode of this process's pid namespace (``0`` where ``/proc`` does not say): two
+    processes of one host name see each other's pids only within one such namespace."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
 def temporary_name(path: str) -> str:
-    """A fresh name in the same folder, so the final rename stays on one file system."""
-    return f"{path}{TEMP_MARK}{uuid.uuid4().hex[:12]}"
+    """A fresh name in the same folder (so the final rename stays on one file system) that
+    names the process writing it: ``<path>.tmp-<host>.<pid namespace>.<pid>.<random>``."""
+    return (f"{path}{TEMP_MARK}{socket.gethostname()}.{_pid_namespace()}.{os.getpid()}."
+            f"{uuid.uuid4().hex[:8]}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:       # another user's process
+        return True
+    return True
+
+
+def remove_dead_temporaries(path: str) -> List[str]:
+    """Delete the temporary files in ``path``'s folder left by saves that are certainly dead;
+    return those deleted. Local: the first rank of a save calls it.
+
+    A temporary is certainly dead when its name (see :func:`temporary_name`) says it was made
+    on this host, in this pid namespace, by a process that no longer exists. A save's first rank
+    makes its temporary and lives until it has renamed or deleted it, since an MPI job ends
+    when any of its ranks dies. Anything else is left alone: temporaries made on other hosts
+    (their pids cannot be checked from here; a save whose first rank runs there removes them),
+    in another pid namespace, by a process still alive (or a new one with the same pid), and
+    temporaries named otherwise (of older versions).
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    host, namespace = socket.gethostname(), _pid_namespace()
+    removed = []
+    for name in sorted(os.listdir(directory)):
+        found = _TEMPORARY.search(name)
+        if (found is None or found["host"] != host or int(found["pids"]) != namespace
+                or namespace == 0 or _alive(int(found["pid"]))):
+            continue
+        try:
+            os.remove(os.path.join(directory, name))
+        except OSError:      # removed by another save meanwhile, or not ours to remove
+            continue
+        removed.append(os.path.join(directory, name))
+    return removed
 
 
 def create_empty(path: str) -> None:
@@ -55,20 +111,21 @@ def check_visible(temporary: str) -> None:
                                     "rank shares (a node-local path such as /tmp?)")
 
 
-def check_space(path: str, nbytes: int) -> None:
+def check_space(temporary: str, nbytes: int) -> None:
     """Fail now, with the system's error, if a file of ``nbytes`` cannot be written next to
-    ``path`` (full disk, quota, file-size limit): the space is reserved, then given back.
+    ``temporary`` (full disk, quota, file-size limit): the space is reserved in a probe file of
+    this save's own (``<temporary>.space``), then given back.
 
     A save checks before it writes, so that a full disk fails it before any rank has written.
     """
-    probe = f"{path}{TEMP_MARK}space"
+    probe = f"{temporary}.space"
     fd = os.open(probe, os.O_CREAT | os.O_WRONLY, 0o600)
     try:
         try:
             os.posix_fallocate(fd, 0, max(nbytes, 1))
         except OSError as error:
             if error.errno in (errno.EOPNOTSUPP, errno.EINVAL):   # no fallocate: compare free space
-                free = shutil.disk_usage(os.path.dirname(path) or ".").free
+                free = shutil.disk_usage(os.path.dirname(temporary) or ".").free
                 if free < nbytes:
                     raise OSError(errno.ENOSPC, f"{nbytes} bytes needed, {free} free") from None
             else:

@@ -3,7 +3,8 @@
 One HDF5 file per checkpoint. Tensors and attributes are named as in a tree::
 
     /                         attrs: format, format_version, package_version, torch_version,
-                                     world_size, step, created, replicas (JSON)
+                                     world_size, step, created, replicas (JSON),
+                                     metadata_crc32 (JSON, version 5 on)
     model/<name>              each parameter and buffer of model.state_dict(), by name
     optimizer                 attrs: class, kind, param_groups (JSON), and kind-specific values
     optimizer/state/<i>/<k>   optimizer state of global parameter index i, key k
@@ -21,8 +22,9 @@ attribute and where each tensor's values lie (a dataset of its own for large ten
 of ``/packed/<dtype>`` for small ones) are in the catalog (see :mod:`.catalog`): one JSON
 document in version 3, the JSON strings and two ``int64`` columns since version 4. In versions 1
 and 2 each tensor was a dataset of its name, each attribute an HDF5 attribute.
-Every tensor has a ``torch_dtype`` and the ``crc32`` of its raw bytes. bfloat16, which HDF5
-lacks, is stored as its raw 16-bit words (``int16``).
+Every tensor has a ``torch_dtype`` and the ``crc32`` of its raw bytes; since version 5 the
+root's attributes and the catalog have theirs too (see :mod:`.metadata_checksums`). bfloat16,
+which HDF5 lacks, is stored as its raw 16-bit words (``int16``).
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ __all__ = ["CHECKSUM_PIECE_BYTES", "CheckpointError", "FORMAT", "FORMAT_VERSION"
            "replica_prefix", "state_name", "state_node", "to_numpy", "torch_dtype", "unwrap_model"]
 
 FORMAT = "tensorplay_hpc-checkpoint"
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 SUFFIX = ".h5"
 
 _STORED_AS = {torch.bfloat16: torch.int16}

@@ -5,6 +5,7 @@ takes locks (see :mod:`.locking`). Small tensors read together are read from the
 packed dataset in a few long stretches, however many there are."""
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
@@ -13,7 +14,7 @@ import numpy as np
 import torch
 
 from . import format as fmt
-from . import locking, values
+from . import locking, metadata_checksums, values
 from .catalog import CRC, DTYPE, NUMEL, OFFSET, Catalog, packed_dataset, stored_dtype
 
 __all__ = ["Reader"]
@@ -48,7 +49,11 @@ class Reader:
                                       f"corrupted?): {error}") from None
         try:
             self.version = self._format_version()
-            self.catalog = Catalog.read(self.file, self.path, self.version)
+            expected = None
+            if self.version >= metadata_checksums.FIRST_VERSION:
+                expected = metadata_checksums.check_root(self.path, self.file.attrs)
+            self.catalog = Catalog.read(self.file, self.path, self.version, functools.partial(
+                metadata_checksums.check_catalog, self.path, expected))
         except fmt.CheckpointError:
             self.close()
             raise

@@ -39,7 +39,7 @@ from tensorplay_hpc.comm.small_collectives import (all_gather_object, all_reduce
 
 from . import files
 from . import format as fmt
-from . import locking, striping
+from . import locking, metadata_checksums, striping
 from .guarded_file import GuardedFile
 from .catalog import COLUMNS, CRC, DTYPE, NUMEL, OFFSET, Catalog, packed_dataset, stored_dtype
 from .snapshot import Snapshot
@@ -345,7 +345,8 @@ def _write(layout: Layout, comm: MPI.Intracomm, what: str) -> None:
     with fail_together(**together):
         if comm.Get_rank() == 0:
             offsets, columns_offset = lay_out(layout.temporary, layout.catalog,
-                                               layout.root_attributes)
+                                               metadata_checksums.seal(layout.catalog,
+                                                                       layout.root_attributes))
     broadcast_array(offsets, comm)
     crcs = np.zeros(len(layout.arrays), dtype=np.int64)
     with fail_together(**together):

@@ -165,7 +165,7 @@ def test_file_format_is_plain_hdf5(folder):
     if WORLD.Get_rank() == 0:
         with h5py.File(path, "r") as f:      # serial h5py, no MPI
             assert f.attrs["format"] == fmt.FORMAT
-            assert f.attrs["format_version"] == fmt.FORMAT_VERSION == 4
+            assert f.attrs["format_version"] == fmt.FORMAT_VERSION == 5
             assert f.attrs["world_size"] == WORLD.Get_size()
             assert json.loads(f.attrs["replicas"]) == [list(range(WORLD.Get_size()))]
             assert f.attrs["step"] == 12

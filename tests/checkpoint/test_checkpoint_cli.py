@@ -201,7 +201,7 @@ def test_info_json_and_text(tmp_path):
         created, tensors = reader.metadata["created"], len(reader.catalog.names)
     assert tensors == 4 + 4 * 3          # the model's entries, then step, exp_avg, exp_avg_sq each
     assert summary == {
-        "path": path, "format_version": 4, "package_version": tensorplay_hpc.__version__,
+        "path": path, "format_version": 5, "package_version": tensorplay_hpc.__version__,
         "torch_version": torch.__version__, "world_size": 1, "step": 7, "created": created,
         "replicas": 1, "model": {"class": "Sequential", "entries": 4, "values": 23},
         "optimizer": {"class": "torch.optim.adamw.AdamW", "kind": "local", "param_groups": 1,
@@ -213,7 +213,7 @@ def test_info_json_and_text(tmp_path):
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0] == f"checkpoint {path}"
-    assert "  step: 7" in lines and "  world_size: 1" in lines and "  format_version: 4" in lines
+    assert "  step: 7" in lines and "  world_size: 1" in lines and "  format_version: 5" in lines
     assert "  model: Sequential, 4 entries, 23 values" in lines
     assert ("  optimizer: torch.optim.adamw.AdamW (local), 1 param groups, state for 4 "
             "parameters, 50 values") in lines
