@@ -71,8 +71,8 @@ def check_root(path: str, attributes: Mapping[str, Any]) -> Dict[str, int]:
             raise TypeError("not a table of checksums")
     except (KeyError, TypeError, ValueError) as error:
         raise fmt.CheckpointError(f"{path}: the checksums of the checkpoint's metadata (root "
-                                  f"attribute {KEY!r}) are missing or damaged "
-                                  f"({type(error).__name__}: {error})") from None
+                                  f"attribute {KEY!r}) cannot be read ({type(error).__name__}: "
+                                  f"{error}): the file is damaged") from None
     for key in sorted(set(attributes) - {KEY} | set(recorded)):
         if key not in attributes:
             raise fmt.CheckpointError(f"{path}: the checkpoint lacks root attribute {key!r}, "

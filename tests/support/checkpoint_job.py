@@ -10,8 +10,12 @@
                                                  kills its process in the middle of the write
     checkpoint_job.py grow FILE MB               save FILE, then try to save it again with MB
                                                  more megabytes (run it under a file-size limit)
+    checkpoint_job.py fill FILE BYTES            save FILE, then save it again while another file
+                                                 fills its disk but for BYTES, once the save has
+                                                 checked the free space
 """
 import os
+import shutil
 import signal
 import sys
 
@@ -19,6 +23,7 @@ import torch
 from mpi4py import MPI
 
 from tensorplay_hpc import checkpoint
+from tensorplay_hpc.checkpoint import files
 from tensorplay_hpc.distributed.optim import ZeroRedundancyOptimizer
 
 
@@ -71,6 +76,27 @@ def main(mode, path, *rest):
             checkpoint.save(path, model, optimizer, extra={"step": 2, "padding": padding})
         except checkpoint.CheckpointError as error:
             print(f"save failed: {error}", flush=True)
+        step = checkpoint.load(path, model, optimizer)["step"]
+        print(f"rank {MPI.COMM_WORLD.Get_rank()} loaded step {step}", flush=True)
+    elif mode == "fill":
+        checkpoint.save(path, model, optimizer, extra={"step": 1})
+        filler = os.path.join(os.path.dirname(path), "filler")
+        check_space = files.check_space
+
+        def check_then_fill(probe, nbytes):
+            check_space(probe, nbytes)
+            free = shutil.disk_usage(os.path.dirname(path)).free
+            with open(filler, "wb") as out:
+                out.write(b"x" * max(free - int(rest[0]), 0))
+        files.check_space = check_then_fill
+        try:
+            checkpoint.save(path, model, optimizer, extra={"step": 2})
+        except checkpoint.CheckpointError as error:
+            print(f"save failed: {error}", flush=True)
+        MPI.COMM_WORLD.Barrier()
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            os.remove(filler)
+        MPI.COMM_WORLD.Barrier()
         step = checkpoint.load(path, model, optimizer)["step"]
         print(f"rank {MPI.COMM_WORLD.Get_rank()} loaded step {step}", flush=True)
 
