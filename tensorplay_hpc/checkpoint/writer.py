@@ -39,13 +39,13 @@ from tensorplay_hpc.comm.small_collectives import (all_gather_object, all_reduce
 
 from . import files
 from . import format as fmt
-from . import locking, metadata_checksums, striping
+from . import metadata_checksums, striping
 from .guarded_file import GuardedFile
 from .catalog import COLUMNS, CRC, DTYPE, NUMEL, OFFSET, Catalog, packed_dataset, stored_dtype
 from .snapshot import Snapshot
 
-__all__ = ["Arrays", "DEFAULT_WRITE", "Layout", "WRITE_ENV", "commit", "lay_out", "plan", "write",
-           "write_data", "write_own"]
+__all__ = ["Arrays", "DEFAULT_WRITE", "Layout", "WRITE_ENV", "commit", "lay_out",
+           "open_for_writing", "plan", "write", "write_data", "write_own"]
 
 Arrays = List[Tuple[str, np.ndarray]]
 
@@ -87,12 +87,12 @@ def _file_size(catalog: Catalog) -> int:
 
 
 def _allocated() -> h5py.h5p.PropDCID:
-    """A dataset's creation properties: contiguous, its space allocated when it is created (so
-    its place in the file is known), nothing written there by HDF5 (every rank writes its own
-    bytes)."""
+    """A dataset's creation properties: contiguous, its space allocated at its first write
+    (:func:`lay_out` writes one element of each, so that its place in the file is known),
+    nothing else written there by HDF5 (every rank writes its own bytes)."""
     dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
     dcpl.set_layout(h5py.h5d.CONTIGUOUS)
-    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_LATE)
     dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
     return dcpl
 
@@ -104,27 +104,31 @@ def lay_out(temporary: str, catalog: Catalog, root_attributes: dict) -> Tuple[np
     ``catalog.datasets``' order (``-1`` for one without elements), and the columns' offset
     (``-1`` when there are no tensors). Datasets of at least :func:`.striping.boundary` bytes
     start on a multiple of it. Local."""
-    offsets = np.full(len(catalog.datasets), -1, dtype=np.int64)
     end = 0
 
-    def allocate(f: h5py.File, name: str, shape: Tuple[int, ...], dtype: np.dtype) -> int:
+    def allocate(dataset: h5py.Dataset) -> int:
+        """Have HDF5 place ``dataset``'s values (a first element written) and say where."""
         nonlocal end
-        dataset = f.create_dataset(name, shape=shape, dtype=dtype, dcpl=_allocated())
-        offset = dataset.id.get_offset()
-        if offset is None:
+        if not dataset.size:
             return -1
+        dataset[(0,) * dataset.ndim] = np.zeros((), dtype=dataset.dtype)
+        offset = dataset.id.get_offset()
         end = max(end, offset + dataset.id.get_storage_size())
         return offset
 
     align = striping.boundary(os.path.dirname(temporary))
     with GuardedFile(temporary) as target, h5py.File(
-            target, "w", locking=locking.file_locking(temporary),
-            alignment_threshold=align, alignment_interval=align) as f:
-        for i, (name, (shape, dtype)) in enumerate(catalog.datasets.items()):
-            offsets[i] = allocate(f, name, shape, dtype)
+            target, "w", alignment_threshold=align, alignment_interval=align) as f:
+        # Every header first, then every dataset's values: HDF5 puts a header at the file's end
+        # too, which would push the next aligned dataset to the next boundary.
+        created = [f.create_dataset(name, shape=shape, dtype=dtype, dcpl=_allocated())
+                   for name, (shape, dtype) in catalog.datasets.items()]
         encoded = catalog.encode()
         columns = encoded.pop(COLUMNS)
-        columns_offset = allocate(f, COLUMNS, columns.shape, _COLUMNS_DTYPE)
+        created.append(f.create_dataset(COLUMNS, shape=columns.shape, dtype=_COLUMNS_DTYPE,
+                                        dcpl=_allocated()))
+        *placed, columns_offset = [allocate(dataset) for dataset in created]
+        offsets = np.array(placed, dtype=np.int64)
         for name, array in encoded.items():
             f.create_dataset(name, data=np.ascontiguousarray(array))
         for key, value in root_attributes.items():
@@ -262,7 +266,7 @@ def _write_run(handle: MPI.File, fd: int, position: int, run: List[np.ndarray],
         _write_rest(fd, position, run, nbytes, done)
 
 
-def _open_for_writing(temporary: str, comm: Optional[MPI.Intracomm]) -> MPI.File:
+def open_for_writing(temporary: str, comm: Optional[MPI.Intracomm]) -> MPI.File:
     """The temporary file, opened for writing through MPI-IO with the hints of
     :func:`.striping.hints`: by this rank alone, or collectively over ``comm`` when given.
 
@@ -301,7 +305,7 @@ def write_own(temporary: str, catalog: Catalog, offsets: np.ndarray, first_row: 
     rounds = len(runs) if comm is None else all_reduce_object(len(runs), comm, MPI.MAX)
     if not rounds:
         return crcs
-    handle = _open_for_writing(temporary, comm)
+    handle = open_for_writing(temporary, comm)
     failure: Optional[OSError] = None
     try:
         fd = os.open(temporary, os.O_WRONLY)     # to start each run's writeback at once

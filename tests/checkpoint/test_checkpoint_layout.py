@@ -72,7 +72,7 @@ def test_stripe_and_buffering_hints_reach_the_open(folder, setting):
     assert asked == {"striping_factor": "1", "striping_unit": str(1 << 20),
                      "romio_cb_write": "enable", "cb_nodes": "1",
                      "cb_buffer_size": str(1 << 20)}
-    handle = writer._open_for_writing(path, WORLD)
+    handle = writer.open_for_writing(path, WORLD)
     try:
         reported = handle.Get_info()
         told = {key: reported.Get(key) for key in asked}
