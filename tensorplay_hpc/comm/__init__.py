@@ -19,12 +19,14 @@
   (:func:`~.agreement.fail_together`);
 - :mod:`.consistency`, :mod:`.watchdog` and :mod:`.abort` keep a diverging rank from hanging
   the others;
+- :mod:`.fault_tolerance` lets the survivors of a lost rank go on (ULFM: revoke, agree,
+  shrink), when enabled, with a :class:`~.fault_tolerance.RankLost` from any collective;
 - :mod:`.trace` records every collective and one-sided operation (the last few always, for
   the watchdog's report; all of them as a Chrome trace when asked);
 - :mod:`.node_layout` tells which ranks share a node, and forms groups that follow the nodes;
 - :mod:`.cuda` decides how GPU memory reaches MPI and which GPU a rank uses;
 - :mod:`.capabilities` says what MPI can do between a communicator's ranks (thread level, one
-  node, one-sided windows).
+  node, one-sided windows, recovery from a lost rank).
 
 The names exported here (``__all__``) are what users and the layers above call; the rest of the
 layer (staging, chunking, the private communicator cache) is imported from its own module.

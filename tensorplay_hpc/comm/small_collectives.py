@@ -17,7 +17,7 @@ import numpy as np
 from . import trace, watchdog
 from .mpi import MPI
 
-__all__ = ["all_gather_array", "all_gather_object", "all_reduce_array", "all_reduce_object",
+__all__ = ["agree_flag", "all_gather_array", "all_gather_object", "all_reduce_array", "all_reduce_object",
            "barrier", "broadcast_array", "broadcast_object", "gather_array", "gather_object",
            "quiet_barrier", "BACKGROUND_PAUSE_S"]
 
@@ -95,6 +95,13 @@ def gather_array(mine: np.ndarray, counts: Sequence[int], comm: MPI.Intracomm,
     with _watched("gather_array", comm):
         comm.Gatherv(np.ascontiguousarray(mine), receive, root=root)
     return every
+
+
+def agree_flag(flag: int, comm: MPI.Intracomm) -> int:
+    """The bitwise AND of every live rank's ``flag`` (``MPIX_Comm_agree``, ULFM): completes
+    even when ranks have died, with the same answer on every survivor."""
+    with _watched("agree_flag", comm):
+        return comm.Agree(flag)
 
 
 def barrier(comm: MPI.Intracomm) -> None:

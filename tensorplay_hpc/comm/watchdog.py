@@ -33,7 +33,7 @@ from typing import ContextManager, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
-from . import capabilities, communicators, trace
+from . import capabilities, communicators, fault_tolerance, trace
 from .library import thread_level_name
 from .mpi import MPI
 
@@ -160,8 +160,10 @@ class _Watch:
         self.within.__enter__()
 
     def __exit__(self, *exc: object) -> None:
-        self.within.__exit__(*exc)
-        _running.discard(self)
+        try:
+            self.within.__exit__(*exc)
+        finally:
+            _running.discard(self)
 
 
 _lock = threading.RLock()      # held while serving, and while a counter leaves the table
@@ -174,8 +176,13 @@ _thread: Optional[threading.Thread] = None
 def serve_all() -> None:
     """Answer the count queries that have arrived on every watched communicator. Local."""
     with _lock:
-        for counter in list(_counters.values()):
-            counter.serve()
+        for handle, counter in list(_counters.items()):
+            try:
+                counter.serve()
+            except MPI.Exception as error:   # a lost rank: the collectives report it, and the
+                if not fault_tolerance.is_process_failure(error):   # survivors rebuild
+                    raise
+                _counters.pop(handle, None)
 
 
 def _run() -> None:
@@ -279,6 +286,8 @@ def watched(operation: str, comm: MPI.Intracomm,
     watched starts the watchdog's thread, even before any process group exists.
     ``counted=False``: not every rank of ``comm`` takes part (``Create_group``), so the call is
     not counted, and only aborted on time."""
+    if fault_tolerance.enabled():
+        within = fault_tolerance.surfacing(operation, comm, within)
     if _thread is None:
         if timeout() is None:
             return within

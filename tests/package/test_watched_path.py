@@ -17,14 +17,14 @@ BUFFER_COLLECTIVES = {
     "Reduce_scatter_block", "Scan", "Scatter", "Scatterv"}
 RAW_CALLS = (BUFFER_COLLECTIVES | {"I" + name.lower() for name in BUFFER_COLLECTIVES}
              | {"Dup", "Split", "Split_type", "Create_group", "Ibarrier", "Allocate",
-                "Allocate_shared", "Open", "Close"})
+                "Allocate_shared", "Open", "Close", "Shrink", "Ishrink", "Agree", "Iagree"})
 """mpi4py methods that every rank of a communicator must call: buffer collectives, blocking
-and not, and those that make communicators, windows (``Win.Allocate``) and MPI-IO files
+and not, ULFM's agreement and shrink, and those that make communicators, windows (``Win.Allocate``) and MPI-IO files
 (``File.Open``, ``File.Close``)."""
 WINDOW_MAKERS = {"Create", "Create_dynamic"}
 """Names that make a window when called on ``Win`` (``MPI.Win.Create``), and something local
 elsewhere (``MPI.Info.Create``)."""
-LOCAL_MAKERS = {"Get_group", "Get_info", "Incl", "Excl", "Range_incl", "Range_excl", "Union",
+LOCAL_MAKERS = {"Get_group", "Get_failed", "Get_info", "Incl", "Excl", "Range_incl", "Range_excl", "Union",
                 "Intersection", "Difference", "Create_contiguous", "Create_vector",
                 "Create_hvector", "Create_indexed", "Create_hindexed", "Create_struct",
                 "Create_subarray", "Create_resized"}

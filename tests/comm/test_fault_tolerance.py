@@ -1,0 +1,52 @@
+"""Recovery from a lost rank in the comm layer (ULFM): what says whether it works, the typed
+error, and a 3-rank job under Open MPI 5 with fault tolerance on in which one rank dies."""
+import re
+
+import pytest
+from mpi4py import MPI
+
+import ulfm_lane
+from launch import SUPPORT, only_in_single_rank_run
+from tensorplay_hpc.comm import capabilities, fault_tolerance, library
+
+
+def test_failures_of_a_lost_rank_are_told_apart():
+    for code in (MPI.ERR_PROC_FAILED, MPI.ERR_REVOKED):
+        assert fault_tolerance.is_process_failure(MPI.Exception(code))
+    assert not fault_tolerance.is_process_failure(MPI.Exception(MPI.ERR_TRUNCATE))
+    assert not fault_tolerance.is_process_failure(RuntimeError("not MPI"))
+
+
+def test_rank_lost_names_the_ranks_and_the_collective():
+    error = fault_tolerance.RankLost([3, 5], "all_reduce", "MPI_ERR_PROC_FAILED: Process Failure")
+    assert error.ranks == (3, 5)
+    assert str(error) == (f"world ranks [3, 5] lost, seen by world rank {MPI.COMM_WORLD.Get_rank()}"
+                          " in all_reduce: MPI_ERR_PROC_FAILED: Process Failure")
+
+
+def test_recovery_is_off_unless_enabled_and_says_why_it_cannot_work():
+    assert not fault_tolerance.enabled()
+    reason = capabilities.recovery_unavailable()
+    if library.version_text().startswith("Open MPI v4."):
+        assert reason.startswith("the MPI library (open-mpi 4.") and "no ULFM" in reason
+    elif library.family() != "open-mpi":
+        assert reason.startswith("recovery is supported with Open MPI 5 only")
+    elif not library.launched_with_fault_tolerance():
+        assert "--with-ft ulfm" in reason
+
+
+@only_in_single_rank_run
+@pytest.mark.skipif(ulfm_lane.missing() is not None, reason=str(ulfm_lane.missing()))
+@pytest.mark.timeout(120)
+def test_survivors_see_rank_lost_and_shrink(tmp_path):
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        job = ulfm_lane.start(3, [str(SUPPORT / "rank_lost_job.py")], out, err)
+        code = job.wait(timeout=100)
+    output = (tmp_path / "out").read_text()
+    assert code == 0, output + (tmp_path / "err").read_text()
+    for rank in (0, 1):
+        lost = re.search(rf"^\[{rank}\] lost (\[2\]|\[\]) in (\S+)", output, re.M)
+        assert lost, output    # [] where another survivor's revocation came first
+        assert f"[{rank}] shrunk to 2 without [2]" in output
+        assert f"[{rank}] sum 1" in output
+    assert "no failure seen" not in output

@@ -1,0 +1,30 @@
+"""Jobs launched with fault tolerance on (ULFM), under the ``openmpi5`` lane's ``mpiexec
+--with-ft ulfm`` from whichever lane runs the tests (``scripts/env.sh`` gives the launch), so
+that the recovery tests run wherever that lane is set up."""
+import subprocess
+from typing import List, Optional
+
+from launch import REPO, clean_env
+
+LANE = "openmpi5"
+LANE_ENV = REPO / f".venv-{LANE}"
+
+
+def missing() -> Optional[str]:
+    """Why ULFM jobs cannot be launched here (``None``: they can)."""
+    if not (LANE_ENV / "bin" / "mpiexec").exists():
+        return (f"the {LANE} lane (Open MPI 5 with ULFM) is not set up: "
+                f"TENSORPLAY_MPI={LANE} bash scripts/setup.sh")
+    return None
+
+
+def command(ranks: int, args: List[str]) -> List[str]:
+    """``mpiexec --with-ft ulfm -n RANKS python ARGS`` of the Open MPI 5 lane."""
+    launch = 'source scripts/env.sh && exec "${MPIEXEC[@]}" --with-ft ulfm "$@"'
+    return ["bash", "-c", launch, "ulfm", "-n", str(ranks), "python", *args]
+
+
+def start(ranks: int, args: List[str], out, err) -> subprocess.Popen:
+    """Start the job in a session of its own, its output to the files ``out`` and ``err``."""
+    return subprocess.Popen(command(ranks, args), env=clean_env(TENSORPLAY_MPI=LANE), cwd=REPO,
+                            stdout=out, stderr=err, start_new_session=True)
