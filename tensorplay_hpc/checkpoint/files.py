@@ -59,13 +59,20 @@ def temporary_name(path: str) -> str:
 
 
 def _alive(pid: int) -> bool:
+    """Whether process ``pid`` of this pid namespace runs (an ended one not yet reaped by its
+    parent, a zombie, does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:       # another user's process
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            state = stat.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")
 
 
 def remove_dead_temporaries(path: str) -> List[str]:
@@ -73,7 +80,7 @@ def remove_dead_temporaries(path: str) -> List[str]:
     return those deleted. Local: the first rank of a save calls it.
 
     A temporary is certainly dead when its name (see :func:`temporary_name`) says it was made
-    on this host, in this pid namespace, by a process that no longer exists. A save's first rank
+    on this host, in this pid namespace, by a process that no longer runs (gone, or a zombie). A save's first rank
     makes its temporary and lives until it has renamed or deleted it, since an MPI job ends
     when any of its ranks dies. Anything else is left alone: temporaries made on other hosts
     (their pids cannot be checked from here; a save whose first rank runs there removes them),

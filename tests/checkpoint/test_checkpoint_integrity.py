@@ -4,6 +4,7 @@ an error without a crash; temporaries of dead saves are removed, those of live o
 groups may save one path at once."""
 import os
 import subprocess
+import time
 import uuid
 
 import h5py
@@ -124,9 +125,10 @@ def _named(temporary, host=None, namespace=None, pid=None, suffix=""):
 
 @pytest.mark.mpi(min_size=2)
 def test_a_save_removes_the_temporaries_of_certainly_dead_saves_only(folder):
-    """Made on this host, in this pid namespace, by a process that has ended: removed (with its
-    space probe). Made by a live process (rank 1's), on another host, in another pid namespace,
-    or named as older versions named them: kept."""
+    """Made on this host, in this pid namespace, by a process that has ended (reaped, or a
+    zombie, as a killed rank is for a moment): removed (with its space probe). Made by a live
+    process (rank 1's), on another host, in another pid namespace, or named as older versions
+    named them: kept."""
     case = os.path.join(folder, "temporaries")
     path = os.path.join(case, "ck.h5")
     live_pid = WORLD.bcast(os.getpid(), root=1)
@@ -135,17 +137,22 @@ def test_a_save_removes_the_temporaries_of_certainly_dead_saves_only(folder):
         os.makedirs(case)
         ended = subprocess.Popen(["true"])
         ended.wait()
+        zombie = subprocess.Popen(["true"])
+        while open(f"/proc/{zombie.pid}/stat").read().rpartition(")")[2].split()[0] != "Z":
+            time.sleep(0.01)
         own = files.temporary_name(path)
         kept = [_named(own, pid=live_pid), _named(own, pid=live_pid, suffix=".space"),
                 _named(own, host="another-node", pid=ended.pid),
                 _named(own, namespace="12345", pid=ended.pid),
                 f"{path}.tmp-{uuid.uuid4().hex[:12]}"]
         dead = [_named(files.temporary_name(path), pid=ended.pid),
-                _named(files.temporary_name(path), pid=ended.pid, suffix=".space")]
+                _named(files.temporary_name(path), pid=ended.pid, suffix=".space"),
+                _named(files.temporary_name(path), pid=zombie.pid)]
         for name in kept + dead:
             open(name, "wb").close()
     _saved(case, "ck.h5", 1)
     if RANK == 0:
+        zombie.wait()
         assert sorted(os.listdir(case)) == sorted(["ck.h5", *map(os.path.basename, kept)])
 
 

@@ -59,6 +59,8 @@ def test_rank_killed_during_save_leaves_last_checkpoint(tmp_path, mode):
     assert checkpoint.load(path, model)["step"] == 2     # the first save, intact
     leftovers = [n for n in os.listdir(tmp_path) if ".tmp-" in n]
     assert len(leftovers) <= 1                            # the aborted save's temporary file
+    checkpoint.save(str(tmp_path / "later.h5"), model)    # removes it: its writer is dead
+    assert sorted(os.listdir(tmp_path)) == ["ck.h5", "later.h5"]
 
 
 @pytest.mark.timeout(300)
