@@ -2,7 +2,7 @@
 # Set up (when needed), then run every test under each MPI library (lane, see env.sh):
 #
 #   system (Debian's Open MPI 4.1): mpiexec with 1, 2 and 4 ranks on one node, and 4 ranks over
-#           2 simulated nodes (as root);
+#           2 simulated nodes and the tests marked scale at 8 ranks over 4 (as root);
 #   mpich, openmpi5: 2 ranks on one node, and 4 ranks over 2 simulated nodes (not root: 4 ranks
 #           on one node instead);
 #   impi:   2 and 4 ranks on one node.
@@ -64,6 +64,18 @@ if [ "$nodes" = yes ] && [ "$(id -u)" -eq 0 ]; then
             "${MPIEXEC[@]:1}" -n 4 python -m pytest --with-mpi -q "$@"; then
         echo "=== $lane: FAILED with 4 ranks over 2 nodes ==="
         status=1
+    fi
+    if [ "$lane" = system ]; then
+        # The tests marked `scale` depend on the rank count or the node layout: again at 8 ranks
+        # over 4 nodes (the training job at 16 ranks runs in the 1-rank pass).
+        echo "=== $lane: tests marked scale under mpiexec -n 8 over 4 simulated nodes of 2 ranks ==="
+        scale=0
+        timeout 1200 python tests/support/simulated_nodes.py --nodes 4 --slots 2 --mpiexec -- \
+            "${MPIEXEC[@]:1}" -n 8 python -m pytest --with-mpi -q -m scale "$@" || scale=$?
+        if [ "$scale" -ne 0 ] && [ "$scale" -ne 5 ]; then   # 5: none of the given tests is marked
+            echo "=== $lane: FAILED with 8 ranks over 4 nodes ==="
+            status=1
+        fi
     fi
 elif [ "$nodes" = yes ]; then
     echo "=== $lane: not root: the pass over simulated nodes (Linux namespaces) is skipped ==="

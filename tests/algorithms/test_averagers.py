@@ -10,6 +10,8 @@ from tensorplay_hpc.distributed.algorithms.model_averaging import averagers, uti
 from tensorplay_hpc.distributed.algorithms.model_averaging.hierarchical_model_averager import (
     HierarchicalModelAverager)
 
+pytestmark = pytest.mark.scale   # averaging groups and subgroups: again at 8 ranks on 4 nodes
+
 
 def _param(value, dtype=torch.float32, grad=True):
     p = torch.nn.Parameter(torch.full((3,), float(value), dtype=dtype))

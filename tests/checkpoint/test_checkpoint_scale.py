@@ -2,6 +2,7 @@
 straddle the reader's blocks: exact round trips, and many parameters in seconds."""
 import json
 import os
+import pickle
 import time
 
 import h5py
@@ -173,6 +174,7 @@ def test_rank_0_lays_out_the_file_and_every_rank_writes_its_bytes_through_mpi_io
         assert reader.verify() == 39
 
 
+@pytest.mark.scale
 def test_ranks_with_nothing_to_write_join_the_write(folder):
     """One tensor of 3 values: a single rank writes it; the others do not open the file, yet
     take part in the save's agreements."""
@@ -182,3 +184,46 @@ def test_ranks_with_nothing_to_write_join_the_write(folder):
     with checkpoint.Reader(path) as reader:
         assert reader.tensor("model/only").tolist() == [1.5, -2.0, 4.25]
         assert reader.verify() == 1
+
+
+class _Unpickled:
+    """Counts the bytes this rank unpickles (what the object collectives hand it) in the block."""
+
+    def __enter__(self) -> "_Unpickled":
+        self.nbytes = 0
+        MPI.pickle.__init__(pickle.dumps, self._loads)
+        return self
+
+    def _loads(self, data, *args, **kwargs):
+        self.nbytes += len(data)
+        return pickle.loads(data, *args, **kwargs)
+
+    def __exit__(self, *exc) -> None:
+        MPI.pickle.__init__()        # mpi4py's defaults again
+
+
+@pytest.mark.scale
+@pytest.mark.mpi(min_size=4)
+def test_metadata_each_rank_receives_grows_with_the_tensors_not_the_ranks(folder):
+    """The same ZeRO checkpoint of 2,000 parameters (8,000 tensors with Adam's state) saved and
+    loaded by 2 ranks and by all: the metadata that reaches rank 0 (and every other rank) is
+    about the same, not the ranks times the tensors."""
+    pair = WORLD.Split(0 if WORLD.rank < 2 else 1, WORLD.rank)
+    received = {}
+    for name, group in (("pair", pair), ("world", WORLD)):
+        if name == "pair" and WORLD.rank >= 2:
+            continue
+        model = _parameters(2_000, 2, seed=0)
+        zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.01,
+                                       process_group=group)
+        _step(zero)
+        with _Unpickled() as counted:
+            path = checkpoint.save(os.path.join(folder, f"{name}.h5"), model, zero,
+                                   process_group=group)
+            checkpoint.load(path, model, zero, process_group=group)
+        received[name] = counted.nbytes
+        zero.close()
+    pair.Free()
+    if WORLD.rank < 2:
+        assert received["pair"] > 8_000 * 10        # the names and shapes of every tensor
+        assert received["world"] < 1.25 * received["pair"], received

@@ -11,6 +11,7 @@ from tensorplay_hpc.distributed.algorithms.model_averaging.hierarchical_model_av
     HierarchicalModelAverager)
 from tensorplay_hpc.distributed.optim import PostLocalSGDOptimizer
 
+pytestmark = pytest.mark.scale   # averaging subgroups: again at 8 ranks on 4 nodes
 STEPS = 20
 
 

@@ -220,6 +220,7 @@ def test_sharding_is_balanced(world, bucket_view):
         assert torch.equal(p, q)
 
 
+@pytest.mark.scale   # more ranks than parameters at 8
 def test_multiple_groups(world):
     rank, size = world.Get_rank(), world.Get_size()
     model, reference = _model(), _model()
@@ -242,6 +243,7 @@ def test_multiple_groups(world):
 
 # -- parity with a plain local optimizer --------------------------------------------------
 
+@pytest.mark.scale   # more ranks than parameters at 8
 @pytest.mark.parametrize("bucket_view", [False, True])
 @pytest.mark.parametrize("maximize", [False, True])
 @pytest.mark.parametrize("optimizer_class,kwargs", OPTIMIZERS)
@@ -315,6 +317,7 @@ def test_state_shows_this_ranks_shard(world):
 
 # -- parity with PyTorch's ZeroRedundancyOptimizer over gloo -----------------------------
 
+@pytest.mark.scale
 @pytest.mark.parametrize("bucket_view", [False, True])
 def test_parity_with_pytorch_zero(world, gloo, bucket_view):
     from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
@@ -436,6 +439,7 @@ def _rank_gradient(params, rank, step):
     return [torch.randn(p.shape, generator=generator) for p in params]
 
 
+@pytest.mark.scale
 def test_join_with_uneven_inputs(world):
     rank, size = world.Get_rank(), world.Get_size()
     inputs = [3 + r for r in range(size)]
@@ -476,6 +480,7 @@ def test_zero_alone_in_join(world):
     assert x.tolist() == [-float(size)] * (size * 2)
 
 
+@pytest.mark.scale
 @pytest.mark.parametrize("bucket_view", [False, True])
 def test_memory_is_sharded(world, bucket_view):
     from tensorplay_hpc.bench.models import mlp
@@ -517,6 +522,7 @@ def test_load_state_dict_leaves_the_callers_dict_alone():
     _assert_same_state_dict(state_dict, snapshot)
 
 
+@pytest.mark.scale
 def test_load_state_dict_consolidated_at_another_world_size(world):
     """Consolidated at this size, loaded into optimizers of one rank each (COMM_SELF)."""
     model, reference = _model(), _model()
@@ -551,6 +557,7 @@ def _rank_data(rank, step):
     return torch.randn(5, 4, generator=torch.Generator().manual_seed(100 * rank + step))
 
 
+@pytest.mark.scale
 @pytest.mark.parametrize("optimizer_class,kwargs", OPTIMIZERS[:2])
 def test_overlap_with_ddp(world, optimizer_class, kwargs):
     from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook import (
