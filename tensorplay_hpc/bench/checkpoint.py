@@ -1,9 +1,12 @@
 """Checkpoints of ZeRO-Adam over the benchmark MLP: our parallel HDF5 save and load against
 PyTorch's path (ZeroRedundancyOptimizer.consolidate_state_dict on rank 0, then torch.save; on
-load, torch.load and load_state_dict on every rank), and our write bandwidth against raw writes
-of the same bytes, each rank writing its share (plain MPI-IO ``Write_at_all``, and h5py's ``mpio``
-driver where h5py is parallel), without and with the ``fsync`` a checkpoint needs before its
-rename. For a replicated
+load, torch.load and load_state_dict on every rank), and our write bandwidth, by each write path
+(independent ``Write_at`` and collective ``Write_at_all``), against raw writes of the same bytes,
+each rank writing its share (plain MPI-IO ``Write_at_all``, and h5py's ``mpio`` driver where
+h5py is parallel), without and with the ``fsync`` a checkpoint needs before its rename. These
+are measured in rounds, each round timing ours and every baseline once, alternating which goes
+first; the median and the spread (the range over the median) are reported. Then the save, load
+and reshard cases of :mod:`.checkpoint_scaling` at the launch's size. For a replicated
 (plain Adam) checkpoint, the load's bytes read per rank and time against every rank reading the
 whole file (the loader before replicated entries were read once and broadcast) and torch.load.
 Save and load of ZeRO-Adam over 50,000 tiny parameters, where per-tensor work dominates, against
@@ -26,12 +29,14 @@ from tensorplay_hpc.comm.mpi import MPI
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
 
 from tensorplay_hpc import checkpoint
-from tensorplay_hpc.checkpoint import restore
+from tensorplay_hpc.checkpoint import restore, writer
 from tensorplay_hpc.checkpoint.replicas import Replicas
+from tensorplay_hpc.bench import checkpoint_scaling
+from tensorplay_hpc.bench.checkpoint_scaling import spread
 from tensorplay_hpc.bench.gloo import init_gloo
 from tensorplay_hpc.bench.models import TINY_COUNT, mlp, tiny_parameters
 from tensorplay_hpc.bench.report import Report
-from tensorplay_hpc.bench.timing import compare
+from tensorplay_hpc.bench.timing import compare, interleaved
 from tensorplay_hpc.distributed.optim import ZeroRedundancyOptimizer
 
 __all__ = ["REPEAT", "run"]
@@ -146,25 +151,47 @@ def _raw_write(path: str, nbytes: int, world: MPI.Intracomm, through: str,
     return write
 
 
+def _saved_by(way: str, path: str, model: torch.nn.Module,
+              optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+    """A blocking save of ``path`` through write path ``way`` (see :data:`.writer.WRITE_ENV`)."""
+    def save() -> None:
+        before = os.environ.get(writer.WRITE_ENV)
+        os.environ[writer.WRITE_ENV] = way
+        try:
+            checkpoint.save(path, model, optimizer)
+        finally:
+            if before is None:
+                del os.environ[writer.WRITE_ENV]
+            else:
+                os.environ[writer.WRITE_ENV] = before
+    return save
+
+
 def _write_bandwidth(report: Report, folder: str, world: MPI.Intracomm, nbytes: int) -> None:
-    """A blocking save of ZeRO-Adam over the MLP against raw writes of as many bytes (plain
-    MPI-IO, and h5py's ``mpio`` driver where h5py is parallel), without and with the ``fsync``
-    that makes a checkpoint durable, measured together."""
+    """Blocking saves of ZeRO-Adam over the MLP, by each write path, against raw writes of as
+    many bytes (plain MPI-IO, and h5py's ``mpio`` driver where h5py is parallel), without and
+    with the ``fsync`` that makes a checkpoint durable, in ``report.repeat`` rounds."""
     model = mlp()
     optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
     _stepped(model, optimizer)
     raw = os.path.join(folder, "raw.h5")
+    ways = ("independent", "collective")
     baselines = [(f"{name}{suffix}", _raw_write(raw, nbytes, world, through, durable))
                  for name, through in (("mpiio-raw", "mpiio"), ("h5py-raw", "h5py"))
                  if through == "mpiio" or h5py.get_config().mpi
                  for suffix, durable in (("", False), ("+fsync", True))]
-    save_s, *raw_s = compare(
-        [lambda: checkpoint.save(os.path.join(folder, "ours.h5"), model, optimizer),
-         *[write for _, write in baselines]], REPEAT, warmup=1)
-    for (baseline, _), seconds in zip(baselines, raw_s):
-        report.add("checkpoint", "save write bandwidth", save_s, baseline, seconds, nbytes=nbytes,
-                   ours_GBps=round(nbytes / save_s / 1e9, 3),
-                   raw_GBps=round(nbytes / seconds / 1e9, 3))
+    samples = interleaved(
+        [*[_saved_by(way, os.path.join(folder, "ours.h5"), model, optimizer) for way in ways],
+         *[write for _, write in baselines]], report.repeat, warmup=1)
+    raw_samples = samples[len(ways):]
+    for way, ours in zip(ways, samples):
+        save_s = statistics.median(ours)
+        for (baseline, _), theirs in zip(baselines, raw_samples):
+            seconds = statistics.median(theirs)
+            report.add("checkpoint", f"save write bandwidth ({way})", save_s, baseline, seconds,
+                       nbytes=nbytes, ours_GBps=round(nbytes / save_s / 1e9, 3),
+                       raw_GBps=round(nbytes / seconds / 1e9, 3), rounds=len(ours),
+                       ours_spread=spread(ours), base_spread=spread(theirs))
     optimizer.close()
 
 
@@ -239,15 +266,13 @@ def _zero_save_and_load(report: Report, folder: str, world: MPI.Intracomm,
         theirs_model.load_state_dict(saved["model"])
         theirs.load_state_dict(saved["optimizer"])
 
-    save_s, torch_save_s = compare([lambda: checkpoint.save(ours_path, model, ours),
-                                    torch_save], repeat, warmup)
+    for case, pair in (("save", [lambda: checkpoint.save(ours_path, model, ours), torch_save]),
+                       ("load", [lambda: checkpoint.load(ours_path, model, ours), torch_load])):
+        mine, torch_s = interleaved(pair, repeat, warmup)
+        report.add("checkpoint", f"{case} (zero adam{what})", statistics.median(mine),
+                   "torch-save", statistics.median(torch_s), nbytes=os.path.getsize(ours_path),
+                   rounds=len(mine), ours_spread=spread(mine), base_spread=spread(torch_s))
     nbytes = os.path.getsize(ours_path)
-    report.add("checkpoint", f"save (zero adam{what})", save_s, "torch-save", torch_save_s,
-               nbytes=nbytes)
-    load_s, torch_load_s = compare([lambda: checkpoint.load(ours_path, model, ours),
-                                    torch_load], repeat, warmup)
-    report.add("checkpoint", f"load (zero adam{what})", load_s, "torch-save", torch_load_s,
-               nbytes=nbytes)
     ours.close()
     return nbytes
 
@@ -261,6 +286,7 @@ def run(report: Report) -> None:
         _write_bandwidth(report, folder, world, nbytes)
         _replicated_load(report, folder, world)
         _background_save(report, folder, world, report.repeat)
+        checkpoint_scaling.measure(report, folder, world)
         _zero_save_and_load(report, folder, world, tiny_parameters,
                             f", {TINY_COUNT:,} tiny parameters", TINY_REPEAT, TINY_WARMUP)
     finally:

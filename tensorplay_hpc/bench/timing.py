@@ -8,7 +8,7 @@ from typing import Callable, List, Optional, Sequence
 
 from tensorplay_hpc.comm.mpi import MPI
 
-__all__ = ["MIN_SAMPLE_S", "compare", "median_seconds"]
+__all__ = ["MIN_SAMPLE_S", "compare", "interleaved", "median_seconds"]
 
 MIN_SAMPLE_S = 0.02   # calls shorter than this are timed in batches, so barrier skew washes out
 
@@ -35,9 +35,17 @@ def median_seconds(fn: Callable[[], object], repeat: int = 7, warmup: int = 2,
 def compare(fns: Sequence[Callable[[], object]], repeat: int = 7, warmup: int = 2,
             comm: Optional[MPI.Intracomm] = None) -> List[float]:
     """:func:`median_seconds` of several functions, their samples interleaved so that a noisy
-    machine slows all of them alike. Each round starts with the next function in turn, so that
-    none always runs right after the same other one (a gloo call, say, whose threads linger).
-    Collective."""
+    machine slows all of them alike (see :func:`interleaved`). Collective."""
+    return [statistics.median(times) for times in interleaved(fns, repeat, warmup, comm)]
+
+
+def interleaved(fns: Sequence[Callable[[], object]], repeat: int = 7, warmup: int = 2,
+                comm: Optional[MPI.Intracomm] = None) -> List[List[float]]:
+    """``repeat`` samples of seconds per call of each function, after ``warmup`` calls: one
+    round after another, each round timing every function once, starting with the next one in
+    turn, so that none always runs right after the same other one (a gloo call, say, whose
+    threads linger). Collective over ``comm`` (default world); each sample is the slowest
+    rank's."""
     comm = comm or MPI.COMM_WORLD
     batches = []
     for fn in fns:
@@ -50,4 +58,4 @@ def compare(fns: Sequence[Callable[[], object]], repeat: int = 7, warmup: int = 
         for i in range(len(fns)):
             k = (round_ + i) % len(fns)
             samples[k].append(_timed(fns[k], batches[k], comm))
-    return [statistics.median(times) for times in samples]
+    return samples
