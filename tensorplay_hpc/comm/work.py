@@ -11,6 +11,22 @@ from .watchdog import watched
 __all__ = ["Work", "complete"]
 
 
+def _wait_all(requests: List[MPI.Request]) -> None:
+    """Wait for every request; where one fails, raise its own error (``Waitall`` reports
+    ``MPI_ERR_IN_STATUS`` for them all), so that a lost rank is told apart."""
+    statuses = [MPI.Status() for _ in requests]
+    try:
+        MPI.Request.Waitall(requests, statuses)
+    except MPI.Exception as error:
+        if error.Get_error_class() != MPI.ERR_IN_STATUS:
+            raise
+        own = [s.Get_error() for s in statuses if s.Get_error() not in (MPI.SUCCESS,
+                                                                          MPI.ERR_PENDING)]
+        if not own:
+            raise
+        raise MPI.Exception(own[0]) from error
+
+
 class Work:
     """A nonblocking operation in flight: MPI requests, then local work once they complete
     (copying staged buffers back, dividing an average). Like torch.distributed's ``Work``."""
@@ -41,10 +57,10 @@ class Work:
         if not self._done:
             operation, comm = self._watch
             if comm is None:
-                MPI.Request.Waitall(self._requests)
+                _wait_all(self._requests)
             else:
                 with watched(f"wait for {operation}", comm):
-                    MPI.Request.Waitall(self._requests)
+                    _wait_all(self._requests)
             self._complete()
         return True
 

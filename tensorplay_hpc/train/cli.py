@@ -9,6 +9,7 @@ from .config import (COMM_HOOKS, DELTA_DTYPES, DEVICES, INNER_OPTIMIZERS, OPTIMI
                      UsageError)
 from .extras import require_train_extras
 from .preemption import EXIT_PREEMPTED, Preemption
+from .recovery import EXIT_UNRECOVERABLE, Unrecoverable
 
 __all__ = ["DESCRIPTION", "add_arguments", "config_from", "run"]
 
@@ -86,6 +87,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     option(machine, "--device", "cuda: one GPU per node-local rank", choices=DEVICES)
     option(machine, "--threads", "torch threads per rank, 0 for the node's cores over its ranks",
            type=int)
+    option(machine, "--recover", "survive a lost rank in the job (ULFM: Open MPI 5 launched "
+           "with mpiexec --with-ft ulfm; ddp, local and postlocal): the survivors roll back to "
+           "the newest step all of them committed and go on with fewer ranks; where they cannot, "
+           f"they exit with status {EXIT_UNRECOVERABLE} (requeue)", action="store_true")
+    option(machine, "--min-ranks", "--recover: the fewest ranks to go on with", type=int)
     option(machine, "--collective-timeout", "seconds a collective may wait for the other ranks "
            "before the job is aborted with a report of the missing ranks, 0 for no watchdog",
            type=float)
@@ -137,6 +143,11 @@ def run(args: argparse.Namespace) -> int:
         return train(config, world, preemption).exit_code
     except UsageError as error:  # raised on every rank alike
         return _usage_error(error, world)
+    except Unrecoverable as error:   # on every survivor of a lost rank
+        print(f"tensorplay-hpc train: world rank {world.Get_rank()}: {error}; exiting with "
+              f"status {EXIT_UNRECOVERABLE} to be requeued from the last checkpoint",
+              file=sys.stderr, flush=True)
+        return EXIT_UNRECOVERABLE
 
 
 def _usage_error(error: Exception, world) -> int:

@@ -19,7 +19,8 @@ DELTA_DTYPES = ("float32", "bfloat16", "float16")
 # written with the same values.
 _STATE_SHAPE = ("layers", "width", "heads", "context", "inner")
 # Settings that change only what is printed or how fast: a resume may change them silently.
-_PRESENTATION = ("resume", "progress", "log_every", "threads", "collective_timeout", "trace")
+_PRESENTATION = ("resume", "progress", "log_every", "threads", "collective_timeout", "trace",
+                 "recover", "min_ranks")
 
 
 class UsageError(ValueError):
@@ -51,6 +52,8 @@ class TrainConfig:
     delta_dtype: str = "float32"
     overlap_steps: int = 0
     node_local: bool = False
+    recover: bool = False
+    min_ranks: int = 1
     eval_every: int = 100
     eval_batches: int = 4
     run_dir: Path = Path("run")
@@ -84,7 +87,7 @@ class TrainConfig:
             raise ValueError(f"--node-local needs --optimizer diloco, got --optimizer "
                              f"{self.optimizer}")
         for name in ("batch_size", "layers", "width", "heads", "context", "average_period",
-                     "eval_batches", "powersgd_rank", "sync_every", "fragments"):
+                     "eval_batches", "powersgd_rank", "sync_every", "fragments", "min_ranks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, "
                                  f"got {getattr(self, name)}")

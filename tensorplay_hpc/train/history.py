@@ -30,11 +30,22 @@ class History:
     which they were counted (see :class:`~tensorplay_hpc.train.cross_node.CrossNodeBytes`)."""
     restarts: List[int] = field(default_factory=list)
     """Steps at which a run resumed from a checkpoint."""
+    recoveries: List[int] = field(default_factory=list)
+    """Steps to which the survivors of a lost rank rolled back (``--recover``)."""
 
     @property
     def step(self) -> int:
         """Steps done so far."""
         return len(self.losses)
+
+    def rolled_back_to(self, step: int) -> None:
+        """Forget the metrics of the steps after ``step``."""
+        later = self.step - step
+        if later > 0:
+            del self.losses[step:], self.tokens_per_second[step:]
+            del self.bytes_communicated[max(0, len(self.bytes_communicated) - later):]
+        self.validation = {s: v for s, v in self.validation.items() if s <= step}
+        self.cross_node_bytes = {s: b for s, b in self.cross_node_bytes.items() if s <= step}
 
     def to_extra(self) -> Dict[str, Any]:
         """Plain values for a checkpoint's ``extra``."""
@@ -44,7 +55,7 @@ class History:
                 "validation_losses": list(self.validation.values()),
                 "cross_node_steps": list(self.cross_node_bytes),
                 "cross_node_bytes": list(self.cross_node_bytes.values()),
-                "restarts": list(self.restarts)}
+                "restarts": list(self.restarts), "recoveries": list(self.recoveries)}
 
     @classmethod
     def from_extra(cls, extra: Dict[str, Any]) -> "History":
@@ -57,7 +68,8 @@ class History:
                    validation=dict(zip(steps, floats("validation_losses"))),
                    cross_node_bytes={int(s): int(b) for s, b in zip(
                        extra.get("cross_node_steps", []), extra.get("cross_node_bytes", []))},
-                   restarts=[int(s) for s in extra.get("restarts", [])])
+                   restarts=[int(s) for s in extra.get("restarts", [])],
+                   recoveries=[int(s) for s in extra.get("recoveries", [])])
 
     def write_csv(self, path: Path) -> None:
         """One row per step: ``step,loss,validation_loss,tokens_per_second,bytes_communicated,

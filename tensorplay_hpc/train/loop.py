@@ -10,7 +10,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from tensorplay_hpc import checkpoint, comm
-from tensorplay_hpc.comm import trace
+from tensorplay_hpc.comm import capabilities, fault_tolerance, trace
 from tensorplay_hpc.comm.mpi import MPI
 from tensorplay_hpc.comm.node_layout import NodeLayout
 from tensorplay_hpc.comm.small_collectives import all_gather_object
@@ -25,6 +25,7 @@ from .plot import plot_losses
 from .preemption import EXIT_PREEMPTED, Preemption
 from .preflight import check_launch
 from .progress import Progress
+from .recovery import EXIT_UNRECOVERABLE, Rollback, Unrecoverable, refusal, survive
 from .run_folder import METRICS_FILE, PLOT_FILE, write_settings
 from .timeline import TIMELINE_FILE, plot_timeline
 
@@ -70,6 +71,20 @@ def _device(config: TrainConfig, world: MPI.Intracomm) -> torch.device:
     return device
 
 
+def _enable_recovery(config: TrainConfig, world: MPI.Intracomm) -> None:
+    """Turn lost ranks into :class:`~tensorplay_hpc.comm.fault_tolerance.RankLost` where ULFM
+    works (before the run makes its first communicator), and say on rank 0 when a lost rank
+    will end the job instead. Local."""
+    unavailable = capabilities.recovery_unavailable()
+    if unavailable is None:
+        fault_tolerance.enable()
+    reason = refusal(config)
+    if reason is not None and world.Get_rank() == 0:
+        ending = ("the job" if unavailable else
+                  f"the job with status {EXIT_UNRECOVERABLE} on every survivor")
+        print(f"--recover: a lost rank will end {ending}: {reason}", flush=True)
+
+
 class Run(comm.Closeable):
     """One training run on every rank of ``world``: build, maybe resume, train, report.
 
@@ -79,23 +94,33 @@ class Run(comm.Closeable):
 
     def __init__(self, config: TrainConfig, world: Optional[MPI.Intracomm] = None) -> None:
         world = MPI.COMM_WORLD if world is None else world
+        if config.recover:
+            _enable_recovery(config, world)
         self._resumable = check_launch(config, world)
         if config.trace is not None:
             trace.enable(config.trace)
         self.config = config
-        self.group = comm.ProcessGroup(world, owner="the training run")
-        self.world = world
         torch.set_num_threads(threads_per_rank(world, config.threads))
         self.device = _device(config, world)
         self.corpus = Corpus.from_stdlib()
-        torch.manual_seed(config.seed)
-        module = CharTransformer(VOCAB_SIZE, config.context, config.width, config.layers,
-                                 config.heads).to(self.device)
-        self.strategy = strategies.build(module, config, self.group)
+        self._build(world)
         self.history = History()
         self.last_checkpoint: Optional[str] = None
         self._checkpointer: Optional[checkpoint.AsyncCheckpointer] = None
         self._saving: Optional[Tuple[checkpoint.SaveHandle, int]] = None   # in the background
+        # The state of the last committed steps, where the survivors of a lost rank go on.
+        self._rollback = Rollback() if fault_tolerance.enabled() and not refusal(config) else None
+
+    def _build(self, world: MPI.Intracomm) -> None:
+        """The run's group, model, optimizer and validation batches over the ranks of
+        ``world`` (the model as ``config.seed`` makes it). Collective over ``world``."""
+        config = self.config
+        self.world = world
+        self.group = comm.ProcessGroup(world, owner="the training run")
+        torch.manual_seed(config.seed)
+        module = CharTransformer(VOCAB_SIZE, config.context, config.width, config.layers,
+                                 config.heads).to(self.device)
+        self.strategy = strategies.build(module, config, self.group)
         self.validation = [tuple(t.to(self.device) for t in batch) for batch in validation_batches(
             self.corpus.validation, seed=config.seed, batches=config.eval_batches,
             batch_size=config.batch_size, context=config.context, rank=self.group.rank,
@@ -267,12 +292,19 @@ class Run(comm.Closeable):
         seconds, steps_here, exit_code = 0.0, 0, 0
         crossed = CrossNodeBytes(self.world)
         crossed_before = max(self.history.cross_node_bytes.items(), default=(0, 0))[1]
+        if self._rollback is not None:
+            self._rollback.commit(self.history.step, self.strategy)
         while self.history.step < config.steps:
             started, sent = time.perf_counter(), trace.bytes_communicated()
-            with trace.span(f"step {self.history.step + 1}"):
-                local_loss = self._step(self.history.step)
-                with trace.caller("loss and stop agreement"):
-                    loss, stop = preemption.agree(local_loss, self.group.comm)
+            try:
+                with trace.span(f"step {self.history.step + 1}"):
+                    local_loss = self._step(self.history.step)
+                    with trace.caller("loss and stop agreement"):
+                        loss, stop = preemption.agree(local_loss, self.group.comm)
+            except fault_tolerance.RankLost as lost:
+                progress = self._recover(lost, progress)
+                crossed = CrossNodeBytes(self.world)
+                continue
             seconds += time.perf_counter() - started
             steps_here += 1
             speed = steps_here * self.tokens_per_step / seconds
@@ -280,6 +312,8 @@ class Run(comm.Closeable):
             self.history.bytes_communicated.append(trace.bytes_communicated() - sent)
             self.history.tokens_per_second.append(speed)
             done = self.history.step
+            if self._rollback is not None:
+                self._rollback.commit(done, self.strategy)
             validation = None
             if (config.eval_every and done % config.eval_every == 0) or done == config.steps:
                 validation = self.history.validation[done] = self._validate()
@@ -308,6 +342,40 @@ class Run(comm.Closeable):
             checkpoint=self.last_checkpoint, exit_code=exit_code)
         self._summarize(outcome)
         return outcome
+
+    def _recover(self, lost: fault_tolerance.RankLost, progress: Progress) -> Progress:
+        """Go on without the lost ranks: shrink the job's communicator, roll back to the newest
+        step every survivor committed, rebuild the groups and re-split the data. Returns the
+        progress display of the new rank 0. Collective over the survivors.
+
+        Raises:
+            Unrecoverable: on every survivor, saying why (the job then exits with
+                :data:`~.recovery.EXIT_UNRECOVERABLE`).
+        """
+        started = time.perf_counter()
+        me = MPI.COMM_WORLD.Get_rank()
+        print(f"[world rank {me}] --recover: {lost}", file=sys.stderr, flush=True)
+        if self._rollback is None:
+            raise Unrecoverable(f"--recover: cannot go on after losing a rank: "
+                                f"{refusal(self.config)}")
+        survivors, gone, step = survive(self.world, self._rollback)
+        reason = refusal(self.config, survivors.Get_size())
+        if reason is not None:
+            raise Unrecoverable(f"--recover: cannot go on after losing world ranks {gone}: "
+                                f"{reason}")
+        progress.close()
+        # The old groups' communicators are revoked: they are left to MPI_Finalize.
+        self._checkpointer, self._saving = None, None
+        self._build(survivors)
+        self._rollback.restore(step, self.strategy)
+        self.history.rolled_back_to(step)
+        self.history.recoveries.append(step)
+        progress = Progress(self.group.rank, self.config.steps, step, bar=self.config.progress,
+                            log_every=self.config.log_every)
+        progress.say(f"--recover: world ranks {gone} lost; {self.group.size} ranks go on from "
+                     f"step {step}, the newest every survivor committed (recovered in "
+                     f"{time.perf_counter() - started:.2f} s)")
+        return progress
 
     def _logged(self, step: int, event: bool) -> bool:
         """Whether ``step`` gets the metrics counted only now and then (the bytes that crossed

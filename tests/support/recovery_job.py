@@ -1,0 +1,86 @@
+"""``tensorplay-hpc train`` in which one rank dies: ``recovery_job.py RANK STEP TRAIN-OPTIONS``.
+
+World rank RANK kills itself with SIGKILL in step STEP + 1 (after committing step STEP), as a
+crashed node would end it. Every rank prints ``committed S DIGEST`` after each step it commits,
+and ``restored S DIGEST`` once recovery has put back the state of step S, where DIGEST is a
+SHA-256 of its model and optimizer state (every tensor's bytes). The kill prints
+``killing at T`` with the time (``time.time()``), the first step of the process
+``first step at T`` and the first step after recovery ``first step after recovery at T``.
+RANK -1 kills no rank.
+"""
+import hashlib
+import os
+import signal
+import sys
+import time
+
+import torch
+
+from tensorplay_hpc.__main__ import main
+from tensorplay_hpc.comm.mpi import MPI
+from tensorplay_hpc.train import loop, recovery
+
+
+def digest(strategy) -> str:
+    """A SHA-256 of the model's and the optimizer's state, bit for bit: every tensor's dtype,
+    shape and bytes, and every other value, in a fixed order (not ``torch.save``'s bytes, which
+    depend on how tensors share storage)."""
+    hashed = hashlib.sha256()
+
+    def add(value) -> None:
+        if isinstance(value, torch.Tensor):
+            data = value.detach().cpu().contiguous()
+            hashed.update(f"{data.dtype}{tuple(data.shape)}".encode())
+            hashed.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(value, dict):
+            for key in sorted(value, key=str):
+                hashed.update(repr(key).encode())
+                add(value[key])
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                add(item)
+        else:
+            hashed.update(repr(value).encode())
+
+    add({"model": strategy.module.state_dict(), "optimizer": strategy.optimizer.state_dict()})
+    return hashed.hexdigest()
+
+
+def say(line: str) -> None:
+    print(f"[world rank {MPI.COMM_WORLD.Get_rank()}] {line}", flush=True)
+
+
+def patch(kill_rank: int, kill_step: int) -> None:
+    """Kill ``kill_rank`` in its step ``kill_step + 1`` and report commits and restores."""
+    step, commit, restore = loop.Run._step, recovery.Rollback.commit, recovery.Rollback.restore
+    recovered, started = [], []
+
+    def stepping(run, number):
+        if number == kill_step and MPI.COMM_WORLD.Get_rank() == kill_rank:
+            say(f"killing at {time.time():.6f}")
+            os.kill(os.getpid(), signal.SIGKILL)
+        loss = step(run, number)
+        if not started:
+            say(f"first step at {time.time():.6f}")
+            started.append(number)
+        if recovered:
+            say(f"first step after recovery at {time.time():.6f}")
+            recovered.clear()
+        return loss
+
+    def committing(rollback, number, strategy):
+        commit(rollback, number, strategy)
+        say(f"committed {number} {digest(strategy)}")
+
+    def restoring(rollback, number, strategy):
+        restore(rollback, number, strategy)
+        say(f"restored {number} {digest(strategy)}")
+        recovered.append(number)
+
+    loop.Run._step, recovery.Rollback.commit = stepping, committing
+    recovery.Rollback.restore = restoring
+
+
+if __name__ == "__main__":
+    patch(int(sys.argv[1]), int(sys.argv[2]))
+    sys.exit(main(["train", *sys.argv[3:]]))

@@ -1,0 +1,104 @@
+"""``tensorplay-hpc train --recover`` (ULFM, Open MPI 5 launched with ``--with-ft ulfm``): rank 0
+of a 4-rank post-local SGD job (DistributedDataParallel, its hook and a model averager) is
+killed with SIGKILL in a chosen step; the survivors roll back to the
+newest step all of them committed, with their model and optimizer state bit for bit as it was
+then, and finish every step on 3 ranks. Where recovery cannot work (ZeRO's sharded state), every
+survivor says why and exits with status 86. Both jobs run side by side, launched with the
+``openmpi5`` lane's mpiexec from the 1-rank pass of whichever lane runs the tests."""
+import re
+
+import pytest
+
+import lanes
+import ulfm_lane
+from launch import SUPPORT, only_in_single_rank_run
+from tensorplay_hpc.train.config import TrainConfig
+from tensorplay_hpc.train.history import History
+from tensorplay_hpc.train.recovery import EXIT_UNRECOVERABLE, refusal
+
+JOB = str(SUPPORT / "recovery_job.py")
+TINY = ["--inner", "adam", "--batch-size", "12", "--layers", "1", "--width", "32", "--heads",
+        "2", "--context", "32", "--eval-every", "0", "--eval-batches", "1",
+        "--checkpoint-every", "0", "--no-progress", "--log-every", "0", "--threads", "1",
+        "--recover"]
+CASES = {   # case: (ranks, rank killed, steps committed before, steps, options)
+    "postlocal": (4, 0, 5, 8, ["--optimizer", "postlocal", "--warmup-steps", "2",
+                               "--average-period", "2"]),
+    "zero": (3, 1, 2, 4, ["--optimizer", "zero"]),
+}
+
+
+def _lines(output: str, what: str) -> dict:
+    """``{(world rank, step): digest}`` of the lines ``[world rank R] WHAT STEP DIGEST``."""
+    return {(int(r), int(s)): d for r, s, d in
+            re.findall(rf"^\[world rank (\d+)\] {what} (\d+) (\w+)$", output, re.M)}
+
+
+@only_in_single_rank_run
+@pytest.mark.skipif(ulfm_lane.missing() is not None, reason=str(ulfm_lane.missing()))
+@pytest.mark.timeout(240)
+def test_a_killed_rank_is_survived_or_requeued(tmp_path):
+    jobs = {}
+    for case, (ranks, killed, at, steps, options) in CASES.items():
+        folder = tmp_path / case
+        folder.mkdir()
+        with open(folder / "out", "w") as out, open(folder / "err", "w") as err:
+            jobs[case] = ulfm_lane.start(ranks, [JOB, str(killed), str(at), *options, "--steps",
+                                                 str(steps), "--run-dir", str(folder / "run"),
+                                                 *TINY], out, err)
+    codes = {case: job.wait(timeout=220) for case, job in jobs.items()}
+    outputs = {case: (tmp_path / case / "out").read_text() + (tmp_path / case / "err").read_text()
+               for case in CASES}
+
+    ranks, killed, at, steps, _ = CASES["postlocal"]
+    output = outputs["postlocal"]
+    assert codes["postlocal"] == 0, output[-5000:]
+    survivors = [r for r in range(ranks) if r != killed]
+    committed, restored = _lines(output, "committed"), _lines(output, "restored")
+    # No committed step is lost: every survivor rolls back to the step the killed rank last
+    # committed, with the state it had then, bit for bit.
+    assert max(s for r, s in committed if r == killed) == at
+    assert set(restored) == {(r, at) for r in survivors}, output[-5000:]
+    for rank in survivors:
+        assert restored[rank, at] == committed[rank, at]
+        assert committed[rank, at + 1] != committed[rank, at]   # the digest tells steps apart
+    assert f"--recover: world ranks [{killed}] lost; {ranks - 1} ranks go on from step {at}" in output
+    assert f"done: {steps} steps" in output
+    metrics = (tmp_path / "postlocal" / "run" / "metrics.csv").read_text().splitlines()
+    assert [row.split(",")[0] for row in metrics[1:]] == [str(s) for s in range(1, steps + 1)]
+    killed_at = float(re.search(r"killing at ([0-9.]+)", output).group(1))
+    first = min(float(t) for t in re.findall(r"first step after recovery at ([0-9.]+)", output))
+    assert first - killed_at < 20, f"recovery took {first - killed_at:.1f} s"
+
+    ranks, killed, _, _, _ = CASES["zero"]
+    output = outputs["zero"]
+    assert codes["zero"] == EXIT_UNRECOVERABLE, output[-5000:]
+    for rank in (r for r in range(ranks) if r != killed):
+        assert re.search(rf"world rank {rank}: --recover: cannot go on after losing a rank: "
+                         r"--optimizer zero keeps state sharded over the ranks.*; exiting with "
+                         rf"status {EXIT_UNRECOVERABLE}", output), output[-5000:]
+
+
+def test_history_rolls_back_to_a_step():
+    history = History(losses=[5.0, 4.0, 3.0, 2.0], tokens_per_second=[1.0, 2.0, 3.0, 4.0],
+                      bytes_communicated=[30, 40], validation={2: 3.5, 4: 2.5},
+                      cross_node_bytes={2: 100, 4: 200})
+    history.rolled_back_to(3)
+    assert (history.step, history.losses, history.tokens_per_second) == (3, [5.0, 4.0, 3.0],
+                                                                          [1.0, 2.0, 3.0])
+    assert history.bytes_communicated == [30]   # counted from step 3 on: step 3's stays
+    assert (history.validation, history.cross_node_bytes) == ({2: 3.5}, {2: 100})
+
+
+def test_recovery_refusals_say_why():
+    assert refusal(TrainConfig(optimizer="zero")).startswith(
+        "--optimizer zero keeps state sharded over the ranks")
+    assert refusal(TrainConfig(optimizer="ddp", comm_hook="powersgd")).startswith(
+        "--comm-hook powersgd keeps state")
+    assert refusal(TrainConfig(optimizer="ddp", batch_size=32), survivors=3) == (
+        "--batch-size 32 does not split over the 3 surviving ranks")
+    assert refusal(TrainConfig(optimizer="local", min_ranks=4, batch_size=12), survivors=3) == (
+        "3 ranks survive, fewer than --min-ranks 4")
+    if lanes.LANE == "system":    # Open MPI 4.1: no ULFM
+        assert refusal(TrainConfig(optimizer="postlocal")).startswith(
+            "ULFM is not available: the MPI library (open-mpi 4.1")
