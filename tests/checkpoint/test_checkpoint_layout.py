@@ -56,6 +56,8 @@ def test_large_datasets_start_on_the_boundary_and_small_files_stay_small(folder,
     # The default boundary (4 MiB here: no striped file system) leaves a small file small.
     setting(striping.ALIGN_ENV, "")
     small = checkpoint.save(os.path.join(folder, "small.h5"), extra={"tiny": torch.arange(5)})
+    assert striping.file_system("/proc/self") == "proc"
+    assert striping.stripe_size(folder) is None     # not Lustre, GPFS nor BeeGFS here
     assert striping.boundary(folder) == striping.DEFAULT_BOUNDARY
     assert os.path.getsize(small) < 1 << 16
 
