@@ -155,6 +155,7 @@ def test_watchdog_below_thread_multiple_aborts_and_says_why(simulated_nodes):
     assert 5 <= elapsed < 5 + 10
 
 
+@pytest.mark.scale   # every rank asked at once
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.skipif(MPI.Query_thread() < MPI.THREAD_MULTIPLE, reason="needs MPI_THREAD_MULTIPLE")
 def test_watchdog_asks_every_rank_for_its_count(world, monkeypatch):

@@ -38,6 +38,7 @@ def _assert_grads_equal(ours, theirs):
             torch.testing.assert_close(a.grad, b.grad, msg=name)
 
 
+@pytest.mark.scale   # buckets against ranks
 @pytest.mark.parametrize("variant", ["default", "bucket_view", "allreduce_hook", "big_bucket"])
 def test_matches_torch_ddp(world, gloo, variant):
     rank = world.Get_rank()

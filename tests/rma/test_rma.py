@@ -137,6 +137,7 @@ def test_a_progress_thread_runs_by_default_where_the_library_needs_one(world, tr
         assert not shared.progress_thread
 
 
+@pytest.mark.scale   # every trainer sends to every owner at once
 def test_backward_sends_each_trainers_gradients_to_its_own_slot(world, chunking, transport):
     rank = world.Get_rank()
     mine = [(torch.arange(3, dtype=torch.float32) + rank).requires_grad_(),
