@@ -4,7 +4,7 @@
 #   system (Debian's Open MPI 4.1): mpiexec with 1, 2 and 4 ranks on one node, and 4 ranks over
 #           2 simulated nodes and the tests marked scale at 8 ranks over 4 (as root);
 #   mpich, openmpi5: 2 ranks on one node, and 4 ranks over 2 simulated nodes (not root: 4 ranks
-#           on one node instead);
+#           on one node instead); openmpi5 also runs the recovery tests (ULFM) on 1 rank;
 #   impi:   2 and 4 ranks on one node.
 #
 # TENSORPLAY_MPI=NAME runs one lane only. Extra arguments go to pytest (a test file, -k EXPR).
@@ -58,6 +58,15 @@ for ranks in "${rank_counts[@]}"; do
         status=1
     fi
 done
+if [ "$lane" = openmpi5 ] && [ $# -eq 0 ]; then
+    # ULFM (recovery from a lost rank) needs Open MPI 5; these tests launch jobs of their own.
+    echo "=== $lane: the recovery tests (ULFM) under mpiexec -n 1 ==="
+    if ! timeout 900 "${MPIEXEC[@]}" -n 1 python -m pytest --with-mpi -q \
+            tests/comm/test_fault_tolerance.py tests/train/test_recovery.py; then
+        echo "=== $lane: the recovery tests FAILED ==="
+        status=1
+    fi
+fi
 if [ "$nodes" = yes ] && [ "$(id -u)" -eq 0 ]; then
     echo "=== $lane: pytest under mpiexec -n 4 over 2 simulated nodes of 2 ranks (TCP between them) ==="
     if ! timeout 1800 python tests/support/simulated_nodes.py --nodes 2 --slots 2 --mpiexec -- \

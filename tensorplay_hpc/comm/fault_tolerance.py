@@ -20,8 +20,8 @@ from typing import ContextManager, Dict, Iterator, List, Sequence, Tuple
 
 from .mpi import MPI
 
-__all__ = ["RankLost", "agree", "disable", "enable", "enabled", "forget", "is_process_failure", "is_revoked",
-           "lost_ranks", "register", "revoke_all", "shrink", "surfacing"]
+__all__ = ["RankLost", "agree", "disable", "enable", "enabled", "forget", "is_process_failure",
+           "is_revoked", "lost_ranks", "register", "revoke_all", "shrink", "surfacing"]
 
 _enabled = False
 _communicators: Dict[int, MPI.Comm] = {}     # the library's communicators, by handle

@@ -261,7 +261,9 @@ class Run(comm.Closeable):
                     f"{self.group.size} ranks, --optimizer {c.optimizer} --inner {c.inner}, "
                     f"{c.layers}x{c.width} transformer")
 
-    def _step(self, step: int) -> float:
+    def train_step(self, step: int) -> float:
+        """Step ``step + 1`` on this rank's share of the global batch: forward, backward, the
+        optimizer's step; returns this rank's loss. Collective (the strategy's communication)."""
         config, s = self.config, self.strategy
         inputs, targets = (t.to(self.device) for t in batch_for_rank(
             self.corpus.train, seed=config.seed, step=step, batch_size=config.batch_size,
@@ -298,7 +300,7 @@ class Run(comm.Closeable):
             started, sent = time.perf_counter(), trace.bytes_communicated()
             try:
                 with trace.span(f"step {self.history.step + 1}"):
-                    local_loss = self._step(self.history.step)
+                    local_loss = self.train_step(self.history.step)
                     with trace.caller("loss and stop agreement"):
                         loss, stop = preemption.agree(local_loss, self.group.comm)
             except fault_tolerance.RankLost as lost:

@@ -52,7 +52,8 @@ def say(line: str) -> None:
 
 def patch(kill_rank: int, kill_step: int) -> None:
     """Kill ``kill_rank`` in its step ``kill_step + 1`` and report commits and restores."""
-    step, commit, restore = loop.Run._step, recovery.Rollback.commit, recovery.Rollback.restore
+    step, commit = loop.Run.train_step, recovery.Rollback.commit
+    restore = recovery.Rollback.restore
     recovered, started = [], []
 
     def stepping(run, number):
@@ -77,7 +78,7 @@ def patch(kill_rank: int, kill_step: int) -> None:
         say(f"restored {number} {digest(strategy)}")
         recovered.append(number)
 
-    loop.Run._step, recovery.Rollback.commit = stepping, committing
+    loop.Run.train_step, recovery.Rollback.commit = stepping, committing
     recovery.Rollback.restore = restoring
 
 

@@ -1,9 +1,9 @@
 """Jobs launched with fault tolerance on (ULFM), under the ``openmpi5`` lane's ``mpiexec
---with-ft ulfm`` from whichever lane runs the tests (``scripts/env.sh`` gives the launch), so
-that the recovery tests run wherever that lane is set up."""
+--with-ft ulfm`` (``scripts/env.sh`` gives the launch)."""
 import subprocess
 from typing import List, Optional
 
+import lanes
 from launch import REPO, clean_env
 
 LANE = "openmpi5"
@@ -11,7 +11,11 @@ LANE_ENV = REPO / f".venv-{LANE}"
 
 
 def missing() -> Optional[str]:
-    """Why ULFM jobs cannot be launched here (``None``: they can)."""
+    """Why the ULFM jobs are not launched here (``None``: they are): they run in the 1-rank
+    pass of the ``openmpi5`` lane (``scripts/test.sh``), once, and need its environment."""
+    if lanes.LANE != LANE:
+        return (f"launches jobs under Open MPI 5 with ULFM: runs in the {LANE} lane "
+                f"(TENSORPLAY_MPI={LANE}), in its 1-rank pass")
     if not (LANE_ENV / "bin" / "mpiexec").exists():
         return (f"the {LANE} lane (Open MPI 5 with ULFM) is not set up: "
                 f"TENSORPLAY_MPI={LANE} bash scripts/setup.sh")

@@ -62,7 +62,8 @@ def test_a_killed_rank_is_survived_or_requeued(tmp_path):
     for rank in survivors:
         assert restored[rank, at] == committed[rank, at]
         assert committed[rank, at + 1] != committed[rank, at]   # the digest tells steps apart
-    assert f"--recover: world ranks [{killed}] lost; {ranks - 1} ranks go on from step {at}" in output
+    assert (f"--recover: world ranks [{killed}] lost; {ranks - 1} ranks go on from step {at}"
+            in output)
     assert f"done: {steps} steps" in output
     metrics = (tmp_path / "postlocal" / "run" / "metrics.csv").read_text().splitlines()
     assert [row.split(",")[0] for row in metrics[1:]] == [str(s) for s in range(1, steps + 1)]

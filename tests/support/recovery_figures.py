@@ -1,0 +1,82 @@
+"""The figures of docs/reliability.md: the seconds from killing one rank (SIGKILL) of a 4-rank
+training job to the survivors' first step after it, with ``--recover`` (ULFM, in the job) and
+as today (the job ends, is launched again and resumes from its HDF5 checkpoint of the step
+before; the wait in the batch queue not counted). Both under the ``openmpi5`` lane, with
+``recovery_job.py``'s model; the median of ``--repeats`` runs of each.
+
+    TENSORPLAY_MPI=openmpi5 source scripts/env.sh
+    python tests/support/recovery_figures.py [--repeats 3] [--step 5]
+
+Both jobs write a checkpoint every 3 steps; the requeued one resumes from the newest (and
+repeats the steps after it, as a requeued job does).
+"""
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import ulfm_lane
+from launch import REPO, SUPPORT, clean_env
+
+JOB = str(SUPPORT / "recovery_job.py")
+MODEL = ["--optimizer", "ddp", "--inner", "adam", "--batch-size", "12", "--layers", "2",
+         "--width", "64", "--heads", "2", "--context", "64", "--eval-every", "0",
+         "--eval-batches", "1", "--checkpoint-every", "3", "--no-progress", "--log-every", "0",
+         "--threads", "1"]
+
+
+def _run(args, ft: bool) -> str:
+    command = ulfm_lane.command(4, args)
+    if not ft:
+        command[2] = command[2].replace(" --with-ft ulfm", "")
+    done = subprocess.run(command, env=clean_env(TENSORPLAY_MPI=ulfm_lane.LANE), cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    return done.stdout + done.stderr
+
+
+def _time(output: str, what: str) -> float:
+    return min(float(t) for t in re.findall(rf"{what} at ([0-9.]+)", output))
+
+
+def recovered(step: int, steps: int, folder: Path) -> float:
+    output = _run([JOB, "2", str(step), "--steps", str(steps), "--run-dir", str(folder),
+                   "--recover", *MODEL], ft=True)
+    return _time(output, "first step after recovery") - _time(output, "killing")
+
+
+def requeued(step: int, steps: int, folder: Path) -> float:
+    common = ["--steps", str(steps), "--run-dir", str(folder), *MODEL]
+    killed = _time(_run([JOB, "2", str(step), *common], ft=False), "killing")
+    again = _run([JOB, "-1", "0", "--resume", *common], ft=False)
+    if "resumed from" not in again:
+        raise RuntimeError(f"the second run did not resume:\n{again[-3000:]}")
+    return _time(again, "first step") - killed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--step", type=int, default=5)
+    options = parser.parse_args()
+    if ulfm_lane.missing():
+        sys.exit(ulfm_lane.missing())
+    times = {"recover": [], "requeue": []}
+    for repeat in range(options.repeats):
+        for case, measure in (("recover", recovered), ("requeue", requeued)):
+            with tempfile.TemporaryDirectory(dir="/var/tmp") as folder:
+                times[case].append(measure(options.step, options.step + 3, Path(folder)))
+            print(f"{case} {repeat}: {times[case][-1]:.2f} s", flush=True)
+    ours, baseline = statistics.median(times["recover"]), statistics.median(times["requeue"])
+    print(json.dumps({"bench": "recovery", "case": "kill one of 4 ranks to the next step",
+                      "ranks": 4, "ours_s": ours, "baseline": "requeue + HDF5 reload",
+                      "baseline_s": baseline, "speedup": baseline / ours,
+                      "samples": times, "at": time.strftime("%Y-%m-%d %H:%M")}))
+
+
+if __name__ == "__main__":
+    main()
