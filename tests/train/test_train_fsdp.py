@@ -120,27 +120,22 @@ def test_fsdp_resumes_exactly_after_sigusr1_at_other_rank_counts_and_into_a_plai
         _close(continued[4:], expected[4:])
 
 
-def _hsdp_resumes_exactly(tmp_path: Path, layout: str, nodes=None) -> None:
+def _hsdp_resumes_exactly(tmp_path: Path, layout: str) -> None:
     """An hsdp run of 4 ranks says ``layout``, and stopped by SIGUSR1 and resumed gives the
     losses of an uninterrupted run."""
     options = ["--optimizer", "hsdp", *OPTIONS]
     whole = tmp_path / "whole"
-    output = run_program(tmp_path, 4, whole, *options, nodes=nodes).stdout
+    output = run_program(tmp_path, 4, whole, *options).stdout
     assert layout in output
     expected = losses(whole)
     assert len(expected) == STEPS
 
     parts = tmp_path / "parts"
-    preempt_program(tmp_path, 4, parts, 2, *options, nodes=nodes)
+    preempt_program(tmp_path, 4, parts, 2, *options)
     stopped_at = len(losses(parts))
     assert 2 <= stopped_at < STEPS
-    run_program(tmp_path, 4, parts, *options, "--resume", nodes=nodes)
+    run_program(tmp_path, 4, parts, *options, "--resume")
     assert losses(parts) == expected and restarts(parts) == [stopped_at + 1]
-
-
-def test_hsdp_on_two_nodes_replicates_across_them_and_resumes_exactly(tmp_path, simulated_nodes):
-    _hsdp_resumes_exactly(tmp_path, "hsdp: 2 replicas (one per node) of 2 shards",
-                          simulated_nodes)
 
 
 def test_hsdp_on_four_ranks_of_one_node_is_two_by_two_and_resumes_exactly(tmp_path):
