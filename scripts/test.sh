@@ -53,7 +53,8 @@ fi
 for ranks in "${rank_counts[@]}"; do
     echo "=== $lane: pytest under mpiexec -n $ranks ==="
     # A whole run is bounded too, in case a rank wedges outside a test's own timeout.
-    if ! timeout 1800 "${MPIEXEC[@]}" -n "$ranks" python -m pytest --with-mpi -q "$@"; then
+    # (The 1-rank pass, with the jobs the tests launch, takes about half an hour.)
+    if ! timeout 2700 "${MPIEXEC[@]}" -n "$ranks" python -m pytest --with-mpi -q "$@"; then
         echo "=== $lane: FAILED with $ranks ranks ==="
         status=1
     fi
