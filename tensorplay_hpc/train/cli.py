@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     preemption = Preemption().install()
     from tensorplay_hpc.comm.mpi import MPI
 
-    from tensorplay_hpc.comm import abort_on_exception, watchdog
+    from tensorplay_hpc.comm import abort_on_exception, fault_tolerance, watchdog
 
     world = MPI.COMM_WORLD
     try:
@@ -143,8 +143,11 @@ def run(args: argparse.Namespace) -> int:
         return train(config, world, preemption).exit_code
     except UsageError as error:  # raised on every rank alike
         return _usage_error(error, world)
-    except Unrecoverable as error:   # on every survivor of a lost rank
-        print(f"tensorplay-hpc train: world rank {world.Get_rank()}: {error}; exiting with "
+    except (Unrecoverable, fault_tolerance.RankLost) as error:   # on every survivor
+        why = (error if isinstance(error, Unrecoverable) else
+               f"--recover: a rank was lost outside a training step (a validation, a "
+               f"checkpoint), where the survivors do not go on: {error}")
+        print(f"tensorplay-hpc train: world rank {world.Get_rank()}: {why}; exiting with "
               f"status {EXIT_UNRECOVERABLE} to be requeued from the last checkpoint",
               file=sys.stderr, flush=True)
         return EXIT_UNRECOVERABLE
