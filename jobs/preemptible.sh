@@ -8,6 +8,9 @@
 
 # Exit status of `tensorplay-hpc train` after a checkpoint written on a signal (resume it).
 EXIT_PREEMPTED=85
+# Exit status of the survivors of a lost rank that `train --recover` could not go on with
+# (resume from the last checkpoint).
+EXIT_UNRECOVERABLE=86
 
 # srun options for such a training. Its planned stop is a non-zero status, which ranks on
 # different nodes reach seconds apart (MPI_Finalize waits only for the ranks of its own node):
@@ -40,12 +43,17 @@ run_preemptible() {
 }
 
 # run_requeueable CMD ARGS... (in a Slurm batch script): run_preemptible CMD; when it stopped at
-# a checkpoint, requeue this job (the next run resumes) and exit 0; otherwise exit with its status.
+# a checkpoint, or lost a rank it could not recover from, requeue this job (the next run
+# resumes from the last checkpoint) and exit 0; otherwise exit with its status.
 run_requeueable() {
     local status=0
     run_preemptible "$@" || status=$?
-    if [ "$status" -eq "$EXIT_PREEMPTED" ]; then
-        echo "[job] $(date +%T) checkpoint written: requeueing job $SLURM_JOB_ID to resume"
+    if [ "$status" -eq "$EXIT_PREEMPTED" ] || [ "$status" -eq "$EXIT_UNRECOVERABLE" ]; then
+        if [ "$status" -eq "$EXIT_PREEMPTED" ]; then
+            echo "[job] $(date +%T) checkpoint written: requeueing job $SLURM_JOB_ID to resume"
+        else
+            echo "[job] $(date +%T) a rank was lost: requeueing job $SLURM_JOB_ID to resume"
+        fi
         scontrol requeue "$SLURM_JOB_ID"
         exit 0
     fi
