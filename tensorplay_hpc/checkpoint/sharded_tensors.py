@@ -11,25 +11,27 @@ unsharded model, and each rank keeps of every value only the rows of its own sha
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence, Tuple
+import sys
+from typing import TYPE_CHECKING, Any, Dict, List, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from .optimizers import OptimizerAdapter, State
 
-try:
-    from torch.distributed.tensor import DTensor, Shard
-except ImportError:    # a PyTorch built without distributed support has no DTensors
-    DTensor = Shard = None
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["OwnRows", "ShardedTensorAdapter", "holds_sharded", "is_sharded", "load_model",
            "local_part", "writers_share"]
 
 
 def is_sharded(tensor: Any) -> bool:
-    """Whether ``tensor`` is a DTensor (its values spread over a device mesh)."""
-    return DTensor is not None and isinstance(tensor, DTensor)
+    """Whether ``tensor`` is a DTensor (its values spread over a device mesh). DTensors exist
+    only once their module is imported, so a process without any does not pay for importing
+    it here."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 def holds_sharded(optimizer: torch.optim.Optimizer) -> bool:
@@ -63,6 +65,7 @@ def local_part(full: torch.Tensor, like: "DTensor") -> torch.Tensor:
     if tuple(full.shape) != tuple(like.shape):
         raise ValueError(f"a value of shape {tuple(full.shape)} for a sharded tensor of shape "
                          f"{tuple(like.shape)}")
+    from torch.distributed.tensor import Shard
     mesh, part = like.device_mesh, full
     coordinate = mesh.get_coordinate()
     for mesh_dim, placement in enumerate(like.placements):
@@ -99,6 +102,7 @@ class OwnRows:
         like = self.targets.get(name)
         if like is None:
             return rows
+        from torch.distributed.tensor import DTensor
         return DTensor.from_local(rows, like.device_mesh, like.placements, run_check=False,
                                   shape=like.shape, stride=like.stride())
 

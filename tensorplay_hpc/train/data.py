@@ -7,6 +7,8 @@ step, so a resumed run sees the same batches as one that never stopped.
 """
 from __future__ import annotations
 
+import functools
+import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,12 +32,20 @@ _SKIPPED_FOLDERS = {"site-packages", "dist-packages", "test", "tests", "idle_tes
 
 def stdlib_files(root: Path | None = None) -> List[Path]:
     """The ``.py`` files of the standard library, sorted, without third-party packages and tests."""
-    root = Path(root or sysconfig.get_paths()["stdlib"])
-    files = [path for path in root.rglob("*.py")
-             if not _SKIPPED_FOLDERS.intersection(path.relative_to(root).parts[:-1])]
-    if not files:
+    return list(_python_files(Path(root or sysconfig.get_paths()["stdlib"])))
+
+
+@functools.lru_cache(maxsize=None)
+def _python_files(root: Path) -> Tuple[Path, ...]:
+    """The ``.py`` files under ``root`` outside :data:`_SKIPPED_FOLDERS`, sorted by their path
+    from ``root``; listed once per process (the skipped folders are not walked)."""
+    found = []
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [name for name in subfolders if name not in _SKIPPED_FOLDERS]
+        found += [Path(folder, name) for name in names if name.endswith(".py")]
+    if not found:
         raise FileNotFoundError(f"no Python source files under {root}")
-    return sorted(files, key=lambda path: path.relative_to(root).as_posix())
+    return tuple(sorted(found, key=lambda path: path.relative_to(root).as_posix()))
 
 
 @dataclass
