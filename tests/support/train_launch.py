@@ -8,10 +8,7 @@ import subprocess
 from pathlib import Path
 from typing import Dict, List, Optional
 
-import torch
-
 from launch import clean_env, mpiexec_prefix
-from tensorplay_hpc import checkpoint
 from tensorplay_hpc.train.preemption import EXIT_PREEMPTED
 from simulated_nodes import SimulatedNodes
 
@@ -53,15 +50,6 @@ def cross_node_bytes(run_dir: Path) -> Dict[int, int]:
     with open(run_dir / "metrics.csv", newline="") as f:
         return {int(row["step"]): int(row["cross_node_bytes"]) for row in csv.DictReader(f)
                 if row["cross_node_bytes"]}
-
-
-def replicas_differ(path: Path) -> bool:
-    """Whether the checkpoint holds replicas 0 and 1 whose model parameters differ."""
-    with checkpoint.Reader(str(path)) as reader:
-        names = reader.names("replica0/model")
-        assert names and names == reader.names("replica1/model")
-        return any(not torch.equal(reader.tensor(f"replica0/model/{n}"),
-                                   reader.tensor(f"replica1/model/{n}")) for n in names)
 
 
 def run_program(cwd: Path, ranks: int, run_dir: Path, *options: str,

@@ -130,6 +130,7 @@ def test_settings_are_checked():
 
 # -- resume in process, at this world size -------------------------------------------------------
 
+@pytest.mark.scale
 @pytest.mark.parametrize("optimizer", ["zero", "postlocal", "ddp", "local"])
 def test_signal_checkpoint_and_resume_reproduce_an_uninterrupted_run(shared_dir, optimizer):
     whole = train_here(tiny(shared_dir / "whole", optimizer=optimizer, steps=6))

@@ -29,6 +29,7 @@ def _model(path: Path, replica: str) -> dict:
         return {n: reader.tensor(f"{replica}model/{n}") for n in reader.names(f"{replica}model")}
 
 
+@pytest.mark.scale
 @pytest.mark.parametrize("settings", [
     dict(sync_every=4, fragments=2, overlap_steps=1),   # fragment 0's sync of step 4 in flight
     # a replica per node (one here, two over simulated nodes)
