@@ -4,8 +4,8 @@ throttled, for DDP, post-local SGD and DiLoCo (a replica per rank, or per node w
 runs of twice as many (a faster method may take more steps to reach the same loss).
 
 Every case runs ``tensorplay-hpc train`` as a job of its own across the nodes of
-``tests/support/simulated_nodes.py`` (Linux namespaces, TCP between them, each node's link limited to
-:data:`LINK` by ``tc``), so it needs root and the repository's checkout. A case reports its final
+``tests/support/simulated_nodes.py`` (Linux namespaces, TCP between them, each node's link
+limited to :data:`LINK` by ``tc``), so it needs root and the repository's checkout. A case reports its final
 validation loss, the bytes the nodes sent each other (``cross_node_bytes`` of ``metrics.csv``)
 and its training time (the steps alone, from the job's own throughput; startup, validation and
 checkpoints left out), each against DDP's, and the bytes and time at its first validation within

@@ -80,9 +80,9 @@ def remove_dead_temporaries(path: str) -> List[str]:
     return those deleted. Local: the first rank of a save calls it.
 
     A temporary is certainly dead when its name (see :func:`temporary_name`) says it was made
-    on this host, in this pid namespace, by a process that no longer runs (gone, or a zombie). A save's first rank
-    makes its temporary and lives until it has renamed or deleted it, since an MPI job ends
-    when any of its ranks dies. Anything else is left alone: temporaries made on other hosts
+    on this host, in this pid namespace, by a process that no longer runs (gone, or a zombie).
+    A save's first rank makes, renames or deletes its temporary, so a save whose first rank is
+    gone can never finish (its other ranks fail with it, or the job ends). Anything else is left alone: temporaries made on other hosts
     (their pids cannot be checked from here; a save whose first rank runs there removes them),
     in another pid namespace, by a process still alive (or a new one with the same pid), and
     temporaries named otherwise (of older versions).

@@ -1,9 +1,10 @@
 """What the MPI library can do between the ranks of a communicator.
 
 The one place that knows: the thread level each rank runs at (:mod:`.library` says what
-raises it), whether a lost rank can be survived (ULFM), whether the ranks share a node, and whether passive-target one-sided windows
-(``MPI.Win.Allocate``) work across them (Debian's Open MPI 4.1 over TCP has no one-sided
-component between nodes: ``Win.Allocate`` raises ``MPI_ERR_WIN``). Every answer is agreed: the same on every rank of the communicator.
+raises it), whether a lost rank can be survived (ULFM), whether the ranks share a node, and
+whether passive-target one-sided windows (``MPI.Win.Allocate``) work across them (Debian's Open
+MPI 4.1 over TCP has no one-sided component between nodes: ``Win.Allocate`` raises
+``MPI_ERR_WIN``). Every answer is agreed: the same on every rank of the communicator.
 
 ``TENSORPLAY_HPC_RMA_TRANSPORT`` (``auto``, ``shared``, ``mpi`` or ``served``) overrides the
 transport remote tensors choose (see :mod:`tensorplay_hpc.distributed.rma.transport`).
@@ -23,7 +24,8 @@ TRANSPORT_ENV = "TENSORPLAY_HPC_RMA_TRANSPORT"
 TRANSPORTS = ("auto", "shared", "mpi", "served")
 
 __all__ = ["TRANSPORTS", "TRANSPORT_ENV", "one_sided_works", "ranks_below_multiple",
-           "recovery_unavailable", "requested_transport", "thread_level_name", "thread_levels", "within_one_node"]
+           "recovery_unavailable", "requested_transport", "thread_level_name", "thread_levels",
+           "within_one_node"]
 
 
 def thread_levels(communicator: MPI.Intracomm) -> List[int]:

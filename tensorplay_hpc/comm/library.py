@@ -19,7 +19,8 @@ from .mpi import MPI, THREAD_SAFETY_ENV, load
 
 __all__ = [
     "FAMILIES", "FT_ENABLED_ENV", "MPI4PY_THREAD_ENV", "abi", "cuda_support", "family",
-    "has_ulfm", "launched_with_fault_tolerance", "library_path", "parse_family", "parse_version", "pending_wildcard_receive_stalls",
+    "has_ulfm", "launched_with_fault_tolerance", "library_path", "parse_family", "parse_version",
+    "pending_wildcard_receive_stalls",
     "target_progress_needed", "thread_level",
     "thread_level_name", "thread_variable", "version", "version_text"
 ]
@@ -259,4 +260,5 @@ def launched_with_fault_tolerance() -> bool:
     sets ``OMPI_MCA_mpi_ft_enable=1``; without it Open MPI 5 aborts the job when a rank dies).
     ``False`` for the other families: MPICH exports ULFM's calls, but its launcher ends the job
     when a rank dies unless told otherwise, and that path is not tested here. Local."""
-    return family() == "open-mpi" and os.environ.get(FT_ENABLED_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    setting = os.environ.get(FT_ENABLED_ENV, "").strip().lower()
+    return family() == "open-mpi" and setting in ("1", "true", "yes", "on")

@@ -17,8 +17,8 @@ import numpy as np
 from . import trace, watchdog
 from .mpi import MPI
 
-__all__ = ["agree_flag", "all_gather_array", "all_gather_object", "all_reduce_array", "all_reduce_object",
-           "barrier", "broadcast_array", "broadcast_object", "gather_array", "gather_object",
+__all__ = ["agree_flag", "all_gather_array", "all_gather_object", "all_reduce_array",
+           "all_reduce_object", "barrier", "broadcast_array", "broadcast_object", "gather_array", "gather_object",
            "quiet_barrier", "BACKGROUND_PAUSE_S"]
 
 T = TypeVar("T")
