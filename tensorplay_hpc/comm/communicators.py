@@ -81,8 +81,10 @@ def allocate_window(comm: MPI.Intracomm, nbytes: int, shared: bool,
 
 
 def free_window(window: MPI.Win, comm: MPI.Intracomm) -> None:
-    """Free ``window``, made over ``comm`` by :func:`allocate_window` (``Win.Free``)."""
-    with _watched("Win.Free", comm):
+    """Free ``window``, made over ``comm`` by :func:`allocate_window` (``Win.Free``). A window
+    may outlive ``comm`` (its owner freed it first): the free is then aborted on time but not
+    counted, since a freed communicator no longer names its ranks."""
+    with _watched("Win.Free", comm, counted=comm != MPI.COMM_NULL):
         window.Free()
 
 

@@ -4,6 +4,7 @@ clear RuntimeError, on every rank."""
 import pytest
 import torch
 
+from tensorplay_hpc.comm.watchdog import TIMEOUT_ENV
 from tensorplay_hpc.distributed import autograd, rma
 from tensorplay_hpc.distributed.optim import DistributedOptimizer
 from tensorplay_hpc.distributed.optim.distributed_optimizer import DIRECT_ENV
@@ -108,7 +109,12 @@ def test_use_after_close_is_an_error(world):
         world.Barrier()
 
 
-def test_an_open_optimizer_over_closed_shared_tensors_is_an_error(world):
+@pytest.mark.parametrize("watched", [False, True])
+def test_an_open_optimizer_over_closed_shared_tensors_is_an_error(world, setting, watched):
+    """Its close() then frees its window after the communicator it was made over (the
+    watchdog, when on, cannot count that free, but still watches it)."""
+    if watched:
+        setting(TIMEOUT_ENV, "60")
     rank = world.Get_rank()
     shared = rma.share([torch.ones(2, requires_grad=True)])
     [ref] = shared.refs_of(rank)
