@@ -47,6 +47,8 @@ import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from started import Started
+
 ENV = "TENSORPLAY_TEST_NODES"
 """Set, in the launcher and in every job, to the folder that describes the running cluster."""
 
@@ -113,7 +115,7 @@ def _check(command: List[str]) -> str:
     return result.stdout
 
 
-class SimulatedNodes:
+class SimulatedNodes(Started):
     """``nodes`` simulated nodes of ``slots`` slots each, plus the launcher; :meth:`stop` (or
     leaving the ``with`` block) removes everything it made."""
 
@@ -179,16 +181,6 @@ class SimulatedNodes:
         self._holders.clear()
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
-
-    def __enter__(self) -> "SimulatedNodes":
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     # -- use --------------------------------------------------------------------------------
 

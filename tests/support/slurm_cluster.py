@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from simulated_nodes import SimulatedNodes
+from started import Started
 
 PACKAGES = ("slurm-wlm", "munge")
 MUNGE_KEY = Path("/etc/munge/munge.key")
@@ -70,7 +71,7 @@ def _munge_works() -> bool:
     return credential.returncode == 0 and _run(["unmunge"], input=credential.stdout).returncode == 0
 
 
-class SlurmCluster:
+class SlurmCluster(Started):
     """Start munged (unless one answers already), slurmctld and a slurmd per node; stop what was
     started. Without ``nodes`` the cluster is this machine, with ``cpus`` CPUs (default all);
     with ``nodes``, one Slurm node per simulated node, of its ``slots`` CPUs."""
@@ -216,16 +217,6 @@ class SlurmCluster:
                     daemon.wait()
         self._daemons.clear()
         shutil.rmtree(self.folder, ignore_errors=True)
-
-    def __enter__(self) -> "SlurmCluster":
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     # -- use --------------------------------------------------------------------------------
 
