@@ -2,7 +2,8 @@
 # Set up (when needed), then run every test under each MPI library (lane, see env.sh):
 #
 #   system (Debian's Open MPI 4.1): mpiexec with 1, 2 and 4 ranks on one node, and 4 ranks over
-#           2 simulated nodes and the tests marked scale at 8 ranks over 4 (as root);
+#           2 simulated nodes, the tests marked scale at 8 ranks over 4 and those marked
+#           resume_smoke at 16 ranks over 4 (as root);
 #   mpich, openmpi5: 2 ranks on one node, and 4 ranks over 2 simulated nodes (not root: 4 ranks
 #           on one node instead); openmpi5 also runs the recovery tests (ULFM) on 1 rank;
 #   impi:   2 and 4 ranks on one node.
@@ -84,6 +85,16 @@ if [ "$nodes" = yes ] && [ "$(id -u)" -eq 0 ]; then
             "${MPIEXEC[@]:1}" -n 8 python -m pytest --with-mpi -q -m scale "$@" || scale=$?
         if [ "$scale" -ne 0 ] && [ "$scale" -ne 5 ]; then   # 5: none of the given tests is marked
             echo "=== $lane: FAILED with 8 ranks over 4 nodes ==="
+            status=1
+        fi
+        # The training job's exact resume after a preemption, every --optimizer, in process.
+        echo "=== $lane: tests marked resume_smoke under mpiexec -n 16 over 4 simulated nodes ==="
+        smoke=0
+        timeout 900 python tests/support/simulated_nodes.py --nodes 4 --slots 4 --mpiexec -- \
+            "${MPIEXEC[@]:1}" -n 16 python -m pytest --with-mpi -q -m resume_smoke \
+            "${@:-tests/train}" || smoke=$?
+        if [ "$smoke" -ne 0 ] && [ "$smoke" -ne 5 ]; then
+            echo "=== $lane: FAILED with 16 ranks over 4 nodes ==="
             status=1
         fi
     fi

@@ -50,9 +50,9 @@ def train_here(config: TrainConfig, **kwargs):
 
 
 def tiny(folder: Path, **settings) -> TrainConfig:
-    values = dict(layers=1, width=32, heads=2, context=16, batch_size=8, eval_every=0,
-                  eval_batches=1, progress=False, threads=1, warmup_steps=2, average_period=2,
-                  run_dir=folder)
+    values = dict(layers=1, width=32, heads=2, context=16, batch_size=max(8, WORLD.size),
+                  eval_every=0, eval_batches=1, progress=False, threads=1, warmup_steps=2,
+                  average_period=2, run_dir=folder)
     values.update(settings)
     return TrainConfig(**values)
 
@@ -131,7 +131,8 @@ def test_settings_are_checked():
 # -- resume in process, at this world size -------------------------------------------------------
 
 @pytest.mark.scale
-@pytest.mark.parametrize("optimizer", ["zero", "postlocal", "ddp", "local"])
+@pytest.mark.resume_smoke
+@pytest.mark.parametrize("optimizer", ["zero", "postlocal", "ddp", "local", "fsdp", "hsdp"])
 def test_signal_checkpoint_and_resume_reproduce_an_uninterrupted_run(shared_dir, optimizer):
     whole = train_here(tiny(shared_dir / "whole", optimizer=optimizer, steps=6))
     assert whole.exit_code == 0 and whole.steps == 6

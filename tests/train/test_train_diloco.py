@@ -30,6 +30,7 @@ def _model(path: Path, replica: str) -> dict:
 
 
 @pytest.mark.scale
+@pytest.mark.resume_smoke
 @pytest.mark.parametrize("settings", [
     dict(sync_every=4, fragments=2, overlap_steps=1),   # fragment 0's sync of step 4 in flight
     # a replica per node (one here, two over simulated nodes)

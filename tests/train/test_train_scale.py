@@ -4,8 +4,8 @@ jobs).
 
 A 16-rank job costs about a minute of this machine's two cores (most of it each rank's start),
 so the program runs at 16 ranks with ``--optimizer hsdp``, the one whose layout follows the
-nodes most (a replica per node, shards within it); the in-process resume tests of every other
-optimizer are marked ``scale`` and run at 8 ranks over 4 nodes."""
+nodes most (a replica per node, shards within it); the in-process resume tests of every
+optimizer are marked ``resume_smoke`` and run at 16 ranks over 4 nodes too."""
 from pathlib import Path
 from typing import List
 
