@@ -21,7 +21,7 @@ from tensorplay_hpc.bench.report import Report
 from tensorplay_hpc.bench.timing import interleaved
 from tensorplay_hpc.distributed.optim import ZeroRedundancyOptimizer
 
-__all__ = ["WIDTH", "LAYERS", "measure", "run", "spread"]
+__all__ = ["WIDTH", "LAYERS", "measure", "raw_io", "run", "spread"]
 
 WIDTH, LAYERS = 512, 8
 
@@ -50,7 +50,7 @@ def _share(nbytes: int, comm: MPI.Intracomm) -> slice:
     return slice(rank * each, nbytes if rank == size - 1 else (rank + 1) * each)
 
 
-def _raw(path: str, nbytes: int, comm: MPI.Intracomm, write: bool) -> Callable[[], None]:
+def raw_io(path: str, nbytes: int, comm: MPI.Intracomm, write: bool) -> Callable[[], None]:
     """The limit: ``comm``'s ranks write (then ``fsync``, as a save does before its rename) or
     read ``nbytes`` of ``path``, each its contiguous share, in one ``Write_at_all`` /
     ``Read_at_all``."""
@@ -98,18 +98,18 @@ def measure(report: Report, folder: str, world: MPI.Intracomm) -> None:
     in_half = half != MPI.COMM_NULL
     cases = [
         (f"save, {n} ranks", lambda: checkpoint.save(path, model, optimizer, process_group=world),
-         "mpiio-raw+fsync", _raw(raw, nbytes, world, write=True), nbytes),
+         "mpiio-raw+fsync", raw_io(raw, nbytes, world, write=True), nbytes),
         (f"load, {n} ranks", lambda: checkpoint.load(path, model, optimizer, process_group=world),
-         "mpiio-raw read", _raw(path, nbytes, world, write=False), nbytes)]
+         "mpiio-raw read", raw_io(path, nbytes, world, write=False), nbytes)]
     if n > 1:
         cases += [
             (f"reshard {n} -> {n // 2} ranks", _on(half, lambda: checkpoint.load(
                 path, small_model, small, process_group=half)),
-             "mpiio-raw read", _on(half, _raw(path, nbytes, half, write=False) if in_half
+             "mpiio-raw read", _on(half, raw_io(path, nbytes, half, write=False) if in_half
                                    else None), nbytes),
             (f"reshard {n // 2} -> {n} ranks", lambda: checkpoint.load(
                 halved, model, optimizer, process_group=world),
-             "mpiio-raw read", _raw(halved, halved_bytes, world, write=False), halved_bytes)]
+             "mpiio-raw read", raw_io(halved, halved_bytes, world, write=False), halved_bytes)]
     functions = [fn for case in cases for fn in (case[1], case[3])]
     samples = interleaved(functions, report.repeat, warmup=1, comm=world)
     for i, (case, _, baseline, _, size) in enumerate(cases):

@@ -33,6 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="one or more of: " + ", ".join(names))
     parser.add_argument("--repeat", type=int, default=7,
                         help="timed runs per case, the median is reported (default %(default)s)")
+    parser.add_argument("--project", action="store_true",
+                        help="cost-model: also evaluate the model from 64 to 10,000 ranks")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,7 +44,11 @@ def run(args: argparse.Namespace) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for name in args.benchmarks:
-            importlib.import_module(f"tensorplay_hpc.bench.{name.replace('-', '_')}").run(report)
+            module = importlib.import_module(f"tensorplay_hpc.bench.{name.replace('-', '_')}")
+            if name == "cost-model":
+                module.run(report, project_too=args.project)
+            else:
+                module.run(report)
     report.print_table()
     # Warnings (mostly from the PyTorch baselines) once each after the tables, not amid them.
     seen = dict.fromkeys(f"{w.category.__name__}: {w.message}" for w in caught)
