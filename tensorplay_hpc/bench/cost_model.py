@@ -1,12 +1,13 @@
 """The cost model of the library's operations, on paper and checked against measurement.
 
 Every cost is an alpha-beta-gamma sum: ``alpha`` seconds per message, ``beta`` seconds per byte
-sent, ``gamma`` seconds per byte reduced (or updated) locally, with alpha and beta between nodes
-or within one, whichever the ranks of the operation cross. ``p`` is the number of ranks and
+sent, ``gamma`` seconds per byte reduced by MPI and ``update`` seconds per byte of a local
+torch pass (division, SGD update, copy), with alpha and beta between nodes or within one,
+whichever the ranks of the operation cross. ``p`` is the number of ranks and
 ``n`` the bytes of the operation.
 
 ``python -m tensorplay_hpc.bench cost-model`` (under mpiexec) measures alpha, beta and gamma at
-the launch's size (every pair of ranks ping-pongs at once, so they are the effective figures
+the launch's size (every pair of ranks exchanges at once, so they are the effective figures
 with all ranks busy), then times the library's operations on a 4 MiB model and prints predicted
 against measured. With ``--project`` it also evaluates the model from 64 to 10,000 ranks on
 :data:`THIS_VM` and :data:`SLINGSHOT`, says where each operation stops scaling and what to
@@ -66,7 +67,9 @@ class Machine:
         name: what it is.
         alpha_inter, beta_inter: seconds per message and per byte between nodes.
         alpha_intra, beta_intra: the same within a node.
-        gamma: seconds per byte reduced or updated by one rank.
+        gamma: seconds per byte reduced by MPI's reduction (``MPI.SUM`` on float32).
+        update: seconds per byte of one elementwise pass of torch on one rank (a division, an
+            SGD update, a copy).
         ranks_per_node: ranks placed on each node (by consecutive ranks).
         fs_write, fs_read: the file system's bandwidth (bytes/s, all ranks together), the
             write including the ``fsync`` a checkpoint needs.
@@ -79,6 +82,7 @@ class Machine:
     alpha_intra: float
     beta_intra: float
     gamma: float
+    update: float
     ranks_per_node: int
     fs_write: float
     fs_read: float
@@ -102,16 +106,16 @@ _YEAR_S = 365.25 * 24 * 3600.0
 THIS_VM = Machine(
     name="this VM (2 cores, Open MPI 4.1, TCP between simulated nodes)",
     alpha_inter=60e-6, beta_inter=1 / 1.0e9, alpha_intra=3e-6, beta_intra=1 / 6.0e9,
-    gamma=1 / 3.0e9, ranks_per_node=2, fs_write=1.0e9, fs_read=3.0e9, fs_latency=5e-3,
-    node_mtbf_s=5 * _YEAR_S)
+    gamma=1 / 3.0e9, update=1 / 3.0e9, ranks_per_node=2, fs_write=1.0e9, fs_read=3.0e9,
+    fs_latency=5e-3, node_mtbf_s=5 * _YEAR_S)
 """Filled from ``bench cost-model`` at 2 ranks on one node and 8 ranks over 4 simulated nodes
 (see docs/performance.md, Cost model)."""
 
 SLINGSHOT = Machine(
     name="200 Gb/s Slingshot-class cluster, 4 ranks per node",
     alpha_inter=2e-6, beta_inter=1 / 25e9, alpha_intra=0.5e-6, beta_intra=1 / 50e9,
-    gamma=1 / 10e9, ranks_per_node=4, fs_write=1e12, fs_read=1e12, fs_latency=10e-3,
-    node_mtbf_s=5 * _YEAR_S)
+    gamma=1 / 10e9, update=1 / 10e9, ranks_per_node=4, fs_write=1e12, fs_read=1e12,
+    fs_latency=10e-3, node_mtbf_s=5 * _YEAR_S)
 """HPE's published Slingshot-11 figures: about 2 us MPI latency and 200 Gb/s (25 GB/s) per
 NIC, one NIC per rank; the node's memory, the reduction speed, a 1 TB/s parallel file system
 (10 ms to create and sync a file) and a node MTBF of 5 years are orders of magnitude, not
@@ -178,23 +182,23 @@ def small_collective(p: int, link: Link) -> float:
 
 def ddp_step(machine: Machine, p: int, nbytes: float, bucket_bytes: float) -> float:
     """DDP's gradient averaging (communication only, none of it hidden behind the backward
-    pass): every bucket divided (``gamma``) and allreduced."""
+    pass): every bucket divided (one pass) and allreduced."""
     full, rest = divmod(nbytes, bucket_bytes)
     link = machine.link(p)
-    return sum(count * (allreduce(p, size, link, machine.gamma) + size * machine.gamma)
+    return sum(count * (allreduce(p, size, link, machine.gamma) + size * machine.update)
                for count, size in ((full, bucket_bytes), (1 if rest else 0, rest)))
 
 
 def zero_step(machine: Machine, p: int, nbytes: float, stage: int) -> float:
     """A ZeroRedundancyOptimizer step of a model of ``nbytes``: gradients averaged (stage 1:
-    allreduce; stage 2: reduce-scatter, each rank keeps its shard), the shard updated (one pass,
-    ``n/p gamma``: SGD), the parameters allgathered."""
+    allreduce; stage 2: reduce-scatter, each rank keeps its shard) after a division, the shard
+    updated (one pass over ``n/p``: SGD), the parameters allgathered."""
     if stage not in (1, 2):
         raise ValueError(f"ZeRO stage {stage}: the model knows stages 1 and 2")
     link, gamma = machine.link(p), machine.gamma
     averaging_cost = (allreduce(p, nbytes, link, gamma) if stage == 1
                       else reduce_scatter(p, nbytes, link, gamma))
-    return (averaging_cost + nbytes * gamma + nbytes / p * gamma
+    return (averaging_cost + nbytes * machine.update + nbytes / p * machine.update
             + allgather(p, nbytes, link))
 
 
@@ -204,7 +208,7 @@ def averaging(machine: Machine, p: int, nbytes: float) -> float:
     division by ``p``."""
     link = machine.link(p)
     return (allgather(p, 40 * p, link) + allreduce(p, nbytes, link, machine.gamma)
-            + 3 * nbytes * machine.gamma)
+            + 3 * nbytes * machine.update)
 
 
 def hierarchical_allreduce(machine: Machine, p: int, nbytes: float) -> float:
@@ -217,7 +221,7 @@ def hierarchical_allreduce(machine: Machine, p: int, nbytes: float) -> float:
     inter = Link(machine.alpha_inter, machine.beta_inter)
     return (reduce_scatter(k, nbytes, intra, machine.gamma)
             + allreduce(nodes, nbytes / k, inter, machine.gamma)
-            + allgather(k, nbytes, intra) + nbytes * machine.gamma)
+            + allgather(k, nbytes, intra) + nbytes * machine.update)
 
 
 _LOCKS = 3   # a step locks the values, state and gradients windows of its owner
@@ -232,14 +236,14 @@ def distributed_optimizer_step(machine: Machine, transport: str, nbytes: float, 
     ``distributed_optimizer.py`` and ``rma/``:
 
     - ``shared`` (one node): 3 locks and 3 unlocks (``alpha_intra`` each); the optimizer runs in
-      the owner's memory: ``(1 + s) n gamma``;
+      the owner's memory: ``(1 + s)`` passes over ``n``;
     - ``mpi`` windows: 3 lock and 3 unlock round trips, one more for the pipelined gets, and
       ``(3 + 2s) n`` bytes (gradient, value and state fetched; value and state put back);
     - ``served``: every get waits for its answer: ``9 + t(3 + s)`` round trips (3 locks, per
       tensor a gradient, a value, a flag and s states; 3 flushes; 3 unlocks), ``t(2 + s)``
       one-way puts and the same bytes.
     """
-    compute = (1 + state_entries) * nbytes * machine.gamma
+    compute = (1 + state_entries) * nbytes * machine.update
     if transport == "shared":
         return trainers * (2 * _LOCKS * machine.alpha_intra + compute)
     if transport == "mpi":
@@ -268,7 +272,8 @@ def checkpoint_save(machine: Machine, p: int, file_bytes: float, tensors: int) -
     collectives."""
     link = machine.link(p)
     metadata = METADATA_BYTES_PER_TENSOR * tensors
-    return (machine.fs_latency + file_bytes / machine.fs_write + SAVE_COLLECTIVES * small_collective(p, link)
+    return (machine.fs_latency + file_bytes / machine.fs_write
+            + SAVE_COLLECTIVES * small_collective(p, link)
             + (p - 1) / p * metadata * link.beta + small_collective(p, link))
 
 
@@ -277,7 +282,8 @@ def checkpoint_load(machine: Machine, p: int, file_bytes: float, tensors: int,
     """``checkpoint.load``: every byte read once, the replicated entries (model) broadcast
     from their readers, the catalog broadcast, and the small collectives."""
     link = machine.link(p)
-    return (machine.fs_latency + file_bytes / machine.fs_read + LOAD_COLLECTIVES * small_collective(p, link)
+    return (machine.fs_latency + file_bytes / machine.fs_read
+            + LOAD_COLLECTIVES * small_collective(p, link)
             + broadcast(p, replicated_bytes, link)
             + broadcast(p, METADATA_BYTES_PER_TENSOR * tensors, link))
 
@@ -332,17 +338,20 @@ def latency_share(cost: Callable[[Machine, int], float], machine: Machine, p: in
     """The part of ``cost`` that is alpha terms (messages), 0 to 1."""
     total = cost(machine, p)
     alphas = cost(dataclasses.replace(machine, beta_inter=0.0, beta_intra=0.0, gamma=0.0,
-                                      fs_write=math.inf, fs_read=math.inf, fs_latency=0.0), p)
+                                      update=0.0, fs_write=math.inf, fs_read=math.inf,
+                                      fs_latency=0.0), p)
     return alphas / total if total > 0 else 0.0
 
 
 def stops_scaling_at(cost: Callable[[Machine, int], float], machine: Machine,
                      limit: int = 16384) -> Optional[int]:
-    """The first power of two of ranks from which messages (alpha terms) make up more than half
-    of ``cost``; ``None`` if that does not happen up to ``limit``."""
-    p = 2
+    """The first rank count, doubling from two nodes, at which ``cost`` is more than twice its
+    value on two nodes or messages (alpha terms) make up more than half of it; ``None`` if
+    neither happens up to ``limit``."""
+    p = 2 * machine.ranks_per_node
+    two_nodes = cost(machine, p)
     while p <= limit:
-        if latency_share(cost, machine, p) > 0.5:
+        if cost(machine, p) > 2 * two_nodes or latency_share(cost, machine, p) > 0.5:
             return p
         p *= 2
     return None
@@ -409,7 +418,7 @@ def _seconds(t: float) -> str:
 # Measurement.
 
 def _partner(layout: comm.NodeLayout, across: bool) -> Optional[int]:
-    """This rank's ping-pong partner: the neighbouring node rank on its node, or the same node
+    """This rank's exchange partner: the neighbouring node rank on its node, or the same node
     rank on the neighbouring node (``across``); ``None`` if there is none."""
     if across:
         node = layout.node ^ 1
@@ -421,17 +430,14 @@ def _partner(layout: comm.NodeLayout, across: bool) -> Optional[int]:
     return ranks[partner] if partner < len(ranks) else None
 
 
-def _ping_pong(pairs: MPI.Intracomm, partner: Optional[int], buffer: np.ndarray
-               ) -> Callable[[], None]:
+def _exchange(pairs: MPI.Intracomm, partner: Optional[int], buffer: np.ndarray
+              ) -> Callable[[], None]:
+    """Send ``buffer`` to ``partner`` while receiving its own: one step of a collective."""
+    received = np.empty_like(buffer)
+
     def run() -> None:
-        if partner is None:
-            return
-        if pairs.Get_rank() < partner:
-            pairs.Send(buffer, partner)
-            pairs.Recv(buffer, partner)
-        else:
-            pairs.Recv(buffer, partner)
-            pairs.Send(buffer, partner)
+        if partner is not None:
+            pairs.Sendrecv(buffer, partner, recvbuf=received, source=partner)
     return run
 
 
@@ -439,18 +445,19 @@ _LARGE = 2**20
 
 
 def _fit(small_s: float, large_s: float) -> Link:
-    """Alpha and beta from the round trips of 8 bytes and of 1 MiB."""
-    alpha = small_s / 2
-    return Link(alpha, max(large_s / 2 - alpha, 0.0) / _LARGE)
+    """Alpha and beta from the exchanges of 8 bytes and of 1 MiB."""
+    return Link(small_s, max(large_s - small_s, 0.0) / _LARGE)
 
 
 def machine_probes(world: MPI.Intracomm, pairs: MPI.Intracomm, folder: str
                    ) -> Tuple[List[Callable[[], object]], Callable[[List[float]], Machine]]:
     """What measures this machine at ``world``'s size, every rank busy at once: the functions
-    to time (collective over ``world``; ``pairs``, a duplicate of it, carries the ping-pongs),
+    to time (collective over ``world``; ``pairs``, a duplicate of it, carries the exchanges),
     and what makes the :class:`Machine` from their median seconds. Alpha and beta: every rank
-    ping-pongs 8 bytes and 1 MiB with a partner on its node, then with one on the next node
-    (the slowest pair counts); gamma: a numpy add of 4 MiB; the file system: raw MPI-IO of 1
+    exchanges 8 bytes and 1 MiB with a partner on its node (``Sendrecv``, both directions at
+    once, as in a step of a collective), then with one on the next node (the slowest pair
+    counts); gamma: ``MPI.SUM.Reduce_local`` of 4 MiB of float32; the update: a torch
+    ``mul_`` of 4 MiB; the file system: raw MPI-IO of 1
     and 16 MiB written with ``fsync`` (latency the intercept, bandwidth the slope) and 16 MiB
     read back. Collective."""
     layout = comm.NodeLayout(world)
@@ -461,22 +468,24 @@ def machine_probes(world: MPI.Intracomm, pairs: MPI.Intracomm, folder: str
         partner = _partner(layout, across)
         if world.allreduce(partner is not None, op=MPI.LOR):
             links.append(across)
-            probes += [_ping_pong(pairs, partner, small), _ping_pong(pairs, partner, large)]
+            probes += [_exchange(pairs, partner, small), _exchange(pairs, partner, large)]
     a, b = np.ones(_LARGE, dtype=np.float32), np.ones(_LARGE, dtype=np.float32)
+    t = torch.ones(_LARGE)
     path, big = os.path.join(folder, "raw.bin"), 16 * _LARGE
-    probes += [lambda: np.add(a, b, out=a), raw_io(path, _LARGE, world, write=True),
+    probes += [lambda: MPI.SUM.Reduce_local(a, b), lambda: t.mul_(1.0),
+               raw_io(path, _LARGE, world, write=True),
                raw_io(path, big, world, write=True), raw_io(path, big, world, write=False)]
 
     def build(seconds: List[float]) -> Machine:
         fitted = {across: _fit(*seconds[2 * i:2 * i + 2]) for i, across in enumerate(links)}
-        add_s, small_s, large_s, read_s = seconds[2 * len(links):]
+        reduce_s, update_s, small_s, large_s, read_s = seconds[2 * len(links):]
         intra = fitted.get(False) or fitted.get(True) or Link(0.0, 0.0)
         inter = fitted.get(True) or intra
         slope = max(large_s - small_s, 1e-9) / (big - _LARGE)
         return Machine(
             name=f"measured at {world.Get_size()} ranks on {len(layout.nodes)} node(s)",
             alpha_inter=inter.alpha, beta_inter=inter.beta, alpha_intra=intra.alpha,
-            beta_intra=intra.beta, gamma=add_s / a.nbytes,
+            beta_intra=intra.beta, gamma=reduce_s / a.nbytes, update=update_s / a.nbytes,
             ranks_per_node=max(len(ranks) for ranks in layout.nodes),
             fs_write=1 / slope, fs_read=big / read_s,
             fs_latency=max(small_s - _LARGE * slope, 0.0), node_mtbf_s=THIS_VM.node_mtbf_s)
@@ -508,8 +517,16 @@ def _cases(world: MPI.Intracomm, folder: str, stack: ExitStack, width: int) -> L
         def ddp() -> None:
             for work in [allreduce_fut(world, bucket) for bucket in buckets]:
                 work.wait()
-        cases.append((f"ddp step: allreduce_fut on {len(buckets)} buckets of <= 1 MiB", nbytes,
-                      lambda m: ddp_step(m, p, nbytes, _BUCKET), ddp))
+        arrays = [bucket.numpy() for bucket in buckets]
+
+        def raw() -> None:
+            for array in arrays:
+                world.Allreduce(MPI.IN_PLACE, array)
+        cases += [(f"ddp step: allreduce_fut on {len(buckets)} buckets of <= 1 MiB", nbytes,
+                   lambda m: ddp_step(m, p, nbytes, _BUCKET), ddp),
+                  ("reference: raw mpi4py Allreduce of the same buckets", nbytes,
+                   lambda m: sum(allreduce(p, a.nbytes, m.link(p), m.gamma) for a in arrays),
+                   raw)]
 
     def zero_1() -> None:
         allreduce_fut(world, gradients).wait()
@@ -567,6 +584,7 @@ def _parameters_row(machine: Machine, ranks: int) -> dict:
             "alpha_inter_us": round(machine.alpha_inter * 1e6, 3),
             "beta_inter_GBps": round(1e-9 / machine.beta_inter, 3) if machine.beta_inter else None,
             "gamma_GBps": round(1e-9 / machine.gamma, 3),
+            "update_GBps": round(1e-9 / machine.update, 3),
             "fs_write_GBps": round(machine.fs_write / 1e9, 3),
             "fs_read_GBps": round(machine.fs_read / 1e9, 3),
             "fs_latency_ms": round(machine.fs_latency * 1e3, 3)}
