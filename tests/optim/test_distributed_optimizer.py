@@ -29,10 +29,15 @@ def step_path(request, monkeypatch):
     """Run stepping on the transport the ranks' capabilities give, in place where it is shared
     memory (one node; across nodes it is served windows here); on the same transport with Get
     and Put; on MPI windows from ``Win.Allocate`` (where MPI supports them between the ranks);
-    and on served windows."""
+    and on served windows. Across nodes, cases that would repeat ``fetch`` are skipped."""
     monkeypatch.setenv(DIRECT_ENV, "1" if request.param == "direct" else "0")
-    if request.param == "mpi" and not capabilities.one_sided_works(MPI.COMM_WORLD):
-        pytest.skip("MPI has no one-sided windows between these ranks")
+    if request.param == "direct" and not capabilities.within_one_node(MPI.COMM_WORLD):
+        pytest.skip("across nodes no window is in shared memory: the same steps as [fetch]")
+    if request.param in ("mpi", "served") and not capabilities.one_sided_works(MPI.COMM_WORLD):
+        if request.param == "mpi":
+            pytest.skip("MPI has no one-sided windows between these ranks")
+        if not capabilities.within_one_node(MPI.COMM_WORLD):
+            pytest.skip("without one-sided MPI between nodes, [fetch] runs on served windows")
     if request.param in ("mpi", "served"):
         monkeypatch.setenv(capabilities.TRANSPORT_ENV, request.param)
     return request.param
