@@ -42,8 +42,9 @@ from tensorplay_hpc.distributed.algorithms.model_averaging.utils import average_
 from tensorplay_hpc.distributed.optim import DistributedOptimizer, ZeroRedundancyOptimizer
 
 __all__ = [
-    "LOAD_COLLECTIVES", "METADATA_BYTES_PER_TENSOR", "Link", "Machine", "PROJECTED_RANKS",
-    "SAVE_COLLECTIVES", "SLINGSHOT", "THIS_VM", "Workload", "advice", "allgather", "allreduce",
+    "Allreduce", "LOAD_COLLECTIVES", "METADATA_BYTES_PER_TENSOR", "Link", "Machine",
+    "PROJECTED_RANKS", "SAVE_COLLECTIVES", "SLINGSHOT", "THIS_VM", "Workload", "advice",
+    "allgather", "allreduce",
     "averaging", "broadcast", "checkpoint_interval", "checkpoint_load", "checkpoint_save",
     "ddp_step", "distributed_optimizer_step", "halving_doubling_allreduce",
     "hierarchical_allreduce", "latency_share", "machine_probes", "project",
@@ -105,11 +106,12 @@ _YEAR_S = 365.25 * 24 * 3600.0
 
 THIS_VM = Machine(
     name="this VM (2 cores, Open MPI 4.1, TCP between simulated nodes)",
-    alpha_inter=60e-6, beta_inter=1 / 1.0e9, alpha_intra=3e-6, beta_intra=1 / 6.0e9,
-    gamma=1 / 3.0e9, update=1 / 3.0e9, ranks_per_node=2, fs_write=1.0e9, fs_read=3.0e9,
-    fs_latency=5e-3, node_mtbf_s=5 * _YEAR_S)
-"""Filled from ``bench cost-model`` at 2 ranks on one node and 8 ranks over 4 simulated nodes
-(see docs/performance.md, Cost model)."""
+    alpha_inter=540e-6, beta_inter=1 / 0.14e9, alpha_intra=6.5e-6, beta_intra=1 / 1.46e9,
+    gamma=1 / 5.8e9, update=1 / 9.9e9, ranks_per_node=2, fs_write=1.07e9, fs_read=1.14e9,
+    fs_latency=15e-3, node_mtbf_s=5 * _YEAR_S)
+"""Measured by ``bench cost-model``: within a node at 2 ranks on one node, between nodes and
+the file system at 2 ranks on 2 simulated nodes of 1 (docs/performance.md, Cost model); the
+node MTBF is the same order of magnitude as :data:`SLINGSHOT`'s."""
 
 SLINGSHOT = Machine(
     name="200 Gb/s Slingshot-class cluster, 4 ranks per node",
@@ -180,12 +182,16 @@ def small_collective(p: int, link: Link) -> float:
 
 # The library's operations on a machine.
 
-def ddp_step(machine: Machine, p: int, nbytes: float, bucket_bytes: float) -> float:
+Allreduce = Callable[[int, float, Link, float], float]
+
+
+def ddp_step(machine: Machine, p: int, nbytes: float, bucket_bytes: float,
+             algorithm: Allreduce = allreduce) -> float:
     """DDP's gradient averaging (communication only, none of it hidden behind the backward
-    pass): every bucket divided (one pass) and allreduced."""
+    pass): every bucket divided (one pass) and allreduced by ``algorithm``."""
     full, rest = divmod(nbytes, bucket_bytes)
     link = machine.link(p)
-    return sum(count * (allreduce(p, size, link, machine.gamma) + size * machine.update)
+    return sum(count * (algorithm(p, size, link, machine.gamma) + size * machine.update)
                for count, size in ((full, bucket_bytes), (1 if rest else 0, rest)))
 
 
@@ -315,6 +321,8 @@ class Workload:
 def _operations(w: Workload) -> Dict[str, Callable[[Machine, int], float]]:
     return {
         "ddp step": lambda m, p: ddp_step(m, p, w.model_bytes, w.bucket_bytes),
+        "ddp step, ring allreduce only": lambda m, p: ddp_step(
+            m, p, w.model_bytes, w.bucket_bytes, ring_allreduce),
         "zero-1 step": lambda m, p: zero_step(m, p, w.model_bytes, 1),
         "zero-2 step": lambda m, p: zero_step(m, p, w.model_bytes, 2),
         "averaging": lambda m, p: averaging(m, p, w.model_bytes),
@@ -481,14 +489,15 @@ def machine_probes(world: MPI.Intracomm, pairs: MPI.Intracomm, folder: str
         reduce_s, update_s, small_s, large_s, read_s = seconds[2 * len(links):]
         intra = fitted.get(False) or fitted.get(True) or Link(0.0, 0.0)
         inter = fitted.get(True) or intra
-        slope = max(large_s - small_s, 1e-9) / (big - _LARGE)
+        slope = (large_s - small_s) / (big - _LARGE)   # not resolved: latency-bound
         return Machine(
             name=f"measured at {world.Get_size()} ranks on {len(layout.nodes)} node(s)",
             alpha_inter=inter.alpha, beta_inter=inter.beta, alpha_intra=intra.alpha,
             beta_intra=intra.beta, gamma=reduce_s / a.nbytes, update=update_s / a.nbytes,
             ranks_per_node=max(len(ranks) for ranks in layout.nodes),
-            fs_write=1 / slope, fs_read=big / read_s,
-            fs_latency=max(small_s - _LARGE * slope, 0.0), node_mtbf_s=THIS_VM.node_mtbf_s)
+            fs_write=1 / slope if slope > 0 else math.inf, fs_read=big / read_s,
+            fs_latency=max(small_s - _LARGE * max(slope, 0.0), 0.0),
+            node_mtbf_s=THIS_VM.node_mtbf_s)
     return probes, build
 
 
@@ -576,17 +585,21 @@ def _distopt_case(world: MPI.Intracomm, stack: ExitStack, width: int) -> Case:
             lambda m: distributed_optimizer_step(m, transport, nbytes, len(refs)), step)
 
 
+def _rate(seconds_per_byte: float) -> Optional[float]:
+    """GB/s, ``None`` where unbounded (nothing measured, or the time did not grow with bytes)."""
+    return round(1e-9 / seconds_per_byte, 3) if 0 < seconds_per_byte < math.inf else None
+
+
 def _parameters_row(machine: Machine, ranks: int) -> dict:
     return {"bench": "cost-model", "case": "parameters", "ranks": ranks,
             "ranks_per_node": machine.ranks_per_node,
             "alpha_intra_us": round(machine.alpha_intra * 1e6, 3),
-            "beta_intra_GBps": round(1e-9 / machine.beta_intra, 3) if machine.beta_intra else None,
+            "beta_intra_GBps": _rate(machine.beta_intra),
             "alpha_inter_us": round(machine.alpha_inter * 1e6, 3),
-            "beta_inter_GBps": round(1e-9 / machine.beta_inter, 3) if machine.beta_inter else None,
-            "gamma_GBps": round(1e-9 / machine.gamma, 3),
-            "update_GBps": round(1e-9 / machine.update, 3),
-            "fs_write_GBps": round(machine.fs_write / 1e9, 3),
-            "fs_read_GBps": round(machine.fs_read / 1e9, 3),
+            "beta_inter_GBps": _rate(machine.beta_inter),
+            "gamma_GBps": _rate(machine.gamma), "update_GBps": _rate(machine.update),
+            "fs_write_GBps": _rate(1 / machine.fs_write),
+            "fs_read_GBps": _rate(1 / machine.fs_read),
             "fs_latency_ms": round(machine.fs_latency * 1e3, 3)}
 
 

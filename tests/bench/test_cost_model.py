@@ -68,6 +68,8 @@ def test_ddp_zero_and_averaging():
     bucket = cm.allreduce(4, 1e6, MACHINE.link(4), GAMMA) + 1e6 * update
     assert cm.ddp_step(MACHINE, 4, 2.5e6, 1e6) == pytest.approx(
         2 * bucket + cm.allreduce(4, 0.5e6, MACHINE.link(4), GAMMA) + 0.5e6 * update)
+    ring = cm.ring_allreduce(4, 1e6, MACHINE.link(4), GAMMA) + 1e6 * update
+    assert cm.ddp_step(MACHINE, 4, 2e6, 1e6, cm.ring_allreduce) == pytest.approx(2 * ring)
     link = MACHINE.link(8)
     gathered = cm.allgather(8, 1e6, link) + 1e6 * update + 1e6 / 8 * update
     assert cm.zero_step(MACHINE, 8, 1e6, 1) == pytest.approx(
@@ -127,7 +129,7 @@ def test_latency_share_and_where_scaling_stops():
 def test_projection_covers_every_operation_rank_count_and_machine():
     lines = []
     rows = cm.project(emit=lines.append)
-    assert len(rows) == 2 * 8 * len(cm.PROJECTED_RANKS)
+    assert len(rows) == 2 * 9 * len(cm.PROJECTED_RANKS)
     assert {row["ranks"] for row in rows} == {64, 256, 1024, 4096, 10000}
     assert all(row["predicted_s"] > 0 and 0 <= row["latency_share"] <= 1 for row in rows)
     assert sum("Young/Daly" in line for line in lines) == 2 * len(cm.PROJECTED_RANKS)
