@@ -402,7 +402,7 @@ def project(machines: Sequence[Machine] = (THIS_VM, SLINGSHOT),
         emit(f"\ncost model projection: {machine.name}; model {workload.model_bytes / 1e9:g} GB,"
              f" checkpoint {workload.checkpoint_bytes / 1e9:g} GB")
         emit("  ".join([f"{'operation':36}"] + [f"{p:>9}" for p in ranks]
-                       + ["alpha-bound from"]))
+                       + ["stops scaling at"]))
         for name, cost in operations.items():
             times = [cost(machine, p) for p in ranks]
             where = stops_scaling_at(cost, machine)
