@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -150,7 +151,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"tensorplay-hpc train: world rank {world.Get_rank()}: {why}; exiting with "
               f"status {EXIT_UNRECOVERABLE} to be requeued from the last checkpoint",
               file=sys.stderr, flush=True)
-        return EXIT_UNRECOVERABLE
+        sys.stdout.flush()
+        # At once: with a rank lost, MPI_Finalize and the interpreter's teardown of objects
+        # holding revoked communicators (and operations that will never complete) can stall.
+        os._exit(EXIT_UNRECOVERABLE)
 
 
 def _usage_error(error: Exception, world) -> int:

@@ -131,6 +131,8 @@ class Run(comm.Closeable):
         background checkpoint, if one is being written). Collective."""
         if self._checkpointer is not None:
             self._checkpointer.close()
+        if self._rollback is not None:
+            self._rollback.close()
         self.strategy.close()
         self.group.close()
 
@@ -303,6 +305,9 @@ class Run(comm.Closeable):
                     local_loss = self.train_step(self.history.step)
                     with trace.caller("loss and stop agreement"):
                         loss, stop = preemption.agree(local_loss, self.group.comm)
+                if self._rollback is not None:
+                    with trace.caller("rollback copies"):
+                        self._rollback.commit(self.history.step + 1, self.strategy)
             except fault_tolerance.RankLost as lost:
                 progress = self._recover(lost, progress)
                 crossed = CrossNodeBytes(self.world)
@@ -314,8 +319,6 @@ class Run(comm.Closeable):
             self.history.bytes_communicated.append(trace.bytes_communicated() - sent)
             self.history.tokens_per_second.append(speed)
             done = self.history.step
-            if self._rollback is not None:
-                self._rollback.commit(done, self.strategy)
             validation = None
             if (config.eval_every and done % config.eval_every == 0) or done == config.steps:
                 validation = self.history.validation[done] = self._validate()

@@ -1,13 +1,17 @@
 """``--recover``: the training job survives a lost rank without leaving the allocation.
 
 A step is *committed* once every rank has agreed on its loss (the allreduce that ends each
-step). Each rank keeps, in memory, its model and optimizer state after the last two steps it
-committed (never more than one step apart across ranks: a rank enters the next step's agreement
-only after finishing this one's). When a rank dies, the library's collectives raise
+step) and, where a rank alone holds part of the state (ZeRO's optimizer shards), a copy of that
+part sits in the memory of a partner rank on another node
+(:class:`~tensorplay_hpc.comm.partner_copies.PartnerCopies`). Each rank keeps, in memory, its
+model and optimizer state after the last two steps it committed (never more than one step apart
+across ranks: a rank enters the next step's agreement only after finishing this one's). When a
+rank dies, the library's collectives raise
 :class:`~tensorplay_hpc.comm.fault_tolerance.RankLost` on every survivor
 (:mod:`tensorplay_hpc.comm.fault_tolerance`); the survivors shrink the job's communicator
-(agreeing on who is gone), take the newest step that every survivor committed, restore that
-state, and the run rebuilds its groups and re-splits the data over the smaller world.
+(agreeing on who is gone), take the newest step that every survivor committed, put the lost
+shards of that step back together from the partners' copies, restore that state, and the run
+rebuilds its groups and re-splits the data over the smaller world.
 
 Where that cannot work, every survivor says why and exits with :data:`EXIT_UNRECOVERABLE`, so
 a batch script requeues the job from its last checkpoint, as after any failure.
@@ -15,28 +19,32 @@ a batch script requeues the job from its last checkpoint, as after any failure.
 from __future__ import annotations
 
 import copy
+import pickle
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
+from tensorplay_hpc.checkpoint import nested_state
 from tensorplay_hpc.comm import capabilities, fault_tolerance
 from tensorplay_hpc.comm.mpi import MPI
-from tensorplay_hpc.comm.small_collectives import all_reduce_object
+from tensorplay_hpc.comm.partner_copies import PartnerCopies
+from tensorplay_hpc.comm.small_collectives import all_gather_object
+from tensorplay_hpc.distributed.optim import ZeroRedundancyOptimizer
 
 from .config import TrainConfig
 from .strategy import Strategy
 
-__all__ = ["EXIT_UNRECOVERABLE", "RECOVERABLE", "Committed", "Rollback", "Unrecoverable",
-           "refusal", "survive"]
+__all__ = ["EXIT_UNRECOVERABLE", "RECOVERABLE", "Committed", "Rollback", "Shards",
+           "Unrecoverable", "refusal", "shard_bytes", "shard_from_bytes", "survive"]
 
 EXIT_UNRECOVERABLE = 86
 """Exit status of every survivor of a lost rank that could not go on: requeue the job (it
 resumes from its last checkpoint)."""
 
-RECOVERABLE = ("ddp", "local", "postlocal")
-"""The ``--optimizer`` kinds whose state every rank holds whole (replicated), so the survivors
-lose nothing with a rank."""
+RECOVERABLE = ("ddp", "local", "postlocal", "zero")
+"""The ``--optimizer`` kinds the survivors of a lost rank go on with: those whose state every
+rank holds whole (replicated), and ZeRO, whose shards have copies on partner ranks."""
 
 
 class Unrecoverable(RuntimeError):
@@ -47,9 +55,9 @@ def refusal(config: TrainConfig, survivors: Optional[int] = None) -> Optional[st
     """Why a run with ``config`` cannot continue after losing ranks (with ``survivors`` ranks
     left, when known); ``None`` when it can. Local."""
     if config.optimizer not in RECOVERABLE:
-        return (f"--optimizer {config.optimizer} keeps state sharded over the ranks, and a "
-                "copy of each shard on a partner rank is not built yet: the lost rank's shard "
-                f"is gone (in-job recovery covers {', '.join(RECOVERABLE)})")
+        return (f"--optimizer {config.optimizer} keeps state that each rank holds alone "
+                "(shards, or replicas trained apart) without copies on partner ranks: a lost "
+                f"rank's part is gone (in-job recovery covers {', '.join(RECOVERABLE)})")
     if config.comm_hook != "none":
         return (f"--comm-hook {config.comm_hook} keeps state of each rank's own (PowerSGD's "
                 "error feedback) or of the node layout that is not rebuilt yet")
@@ -66,30 +74,98 @@ def refusal(config: TrainConfig, survivors: Optional[int] = None) -> Optional[st
 
 
 @dataclass
+class Shards:
+    """A ZeRO optimizer's state as the ranks hold it: ``owned``, the state of this rank's
+    parameters by global index, and the hyperparameters of every group."""
+
+    owned: Dict[int, Dict[Any, Any]]
+    param_groups: List[Dict[str, Any]]
+
+
+@dataclass
 class Committed:
-    """This rank's model and optimizer state after ``step``, copied."""
+    """This rank's model and optimizer state after ``step``, copied: the optimizer's whole
+    ``state_dict()``, or its :class:`Shards`."""
 
     step: int
     model: Dict[str, torch.Tensor]
-    optimizer: Dict[str, Any]
+    optimizer: Union[Dict[str, Any], Shards]
+
+
+def shard_bytes(state: Dict[int, Dict[Any, Any]]) -> torch.Tensor:
+    """``state``'s tensors as one flat byte buffer, after a description of its structure (a
+    few bytes per tensor). Local."""
+    skeleton, tensors = nested_state.flatten(state)
+    flat = [t.detach().cpu().contiguous().reshape(-1).view(torch.uint8) for t in tensors.values()]
+    described = pickle.dumps((skeleton, [(n, t.dtype, tuple(t.shape))
+                                         for n, t in tensors.items()]))
+    length = torch.tensor([len(described)], dtype=torch.int64).view(torch.uint8)
+    return torch.cat([length, torch.frombuffer(bytearray(described), dtype=torch.uint8), *flat])
+
+
+def shard_from_bytes(payload: torch.Tensor) -> Dict[int, Dict[Any, Any]]:
+    """The state :func:`shard_bytes` made ``payload`` of. Local."""
+    length = int(payload[:8].view(torch.int64)[0])
+    skeleton, shapes = pickle.loads(payload[8:8 + length].numpy().tobytes())
+    tensors, offset = {}, 8 + length
+    for name, dtype, shape in shapes:
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        tensors[name] = payload[offset:offset + nbytes].clone().view(dtype).reshape(shape)
+        offset += nbytes
+    return nested_state.rebuild(skeleton, tensors)
 
 
 class Rollback:
-    """The state of the last two steps this rank committed, kept in memory. Local."""
+    """The state of the last two steps this rank committed, kept in memory, and copies of the
+    ZeRO shards of the ranks it backs. Local, except :meth:`commit` of a sharded optimizer."""
 
     def __init__(self) -> None:
         self.kept: List[Committed] = []
+        self.copies: Optional[PartnerCopies] = None
+        self._copies_of: Optional[ZeroRedundancyOptimizer] = None
 
     def commit(self, step: int, strategy: Strategy) -> None:
-        """Keep a copy of the state after ``step``, dropping all but the previous one."""
+        """Keep a copy of the state after ``step``, dropping all but the previous one. With a
+        ZeRO optimizer on two ranks or more, collective: the partners exchange shards."""
         model = {k: v.detach().clone() for k, v in strategy.module.state_dict().items()}
-        optimizer = copy.deepcopy(strategy.optimizer.state_dict())
-        self.kept = [*self.kept[-1:], Committed(step, model, optimizer)]
+        optimizer = strategy.optimizer
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            state: Union[Dict[str, Any], Shards] = Shards(copy.deepcopy(optimizer.owned_state()),
+                                                          optimizer.indexed_param_groups())
+            copies = self._partner_copies(optimizer)
+            if copies is not None:
+                copies.keep(step, shard_bytes(state.owned))
+        else:
+            state = copy.deepcopy(optimizer.state_dict())
+        self.kept = [*self.kept[-1:], Committed(step, model, state)]
+
+    def _partner_copies(self, optimizer: ZeroRedundancyOptimizer) -> Optional[PartnerCopies]:
+        """The copies among ``optimizer``'s ranks (new ones after a recovery rebuilt it)."""
+        if self._copies_of is not optimizer:
+            if self.copies is not None and not fault_tolerance.is_revoked(self.copies.comm):
+                self.copies.close()
+            self._copies_of = optimizer
+            group = optimizer.join_process_group
+            self.copies = PartnerCopies(group) if group.Get_size() > 1 else None
+        return self.copies
+
+    def close(self) -> None:
+        """Free the partners' communicator. Collective."""
+        if self.copies is not None and not fault_tolerance.is_revoked(self.copies.comm):
+            self.copies.close()
+        self.copies = None
 
     @property
     def newest(self) -> int:
         """The newest step kept (-1 before the first commit)."""
         return self.kept[-1].step if self.kept else -1
+
+    def supplies(self, lost: List[int]) -> List[int]:
+        """The steps kept here whose whole state this rank can give after losing world ranks
+        ``lost``: its own, and the copies of the lost ranks it backs. Local."""
+        backed = [r for r in lost if self.copies is not None and r in self.copies.backed]
+        return [c.step for c in self.kept if isinstance(c.optimizer, dict) or all(
+            self.copies.held(r, c.step) is not None for r in backed)]
 
     def at(self, step: int) -> Committed:
         """The state kept for ``step``.
@@ -103,6 +179,23 @@ class Rollback:
         raise Unrecoverable(f"world rank {MPI.COMM_WORLD.Get_rank()} does not hold step {step} "
                             f"(it holds steps {[c.step for c in self.kept]})")
 
+    def reassemble(self, step: int, lost: List[int], survivors: MPI.Intracomm) -> None:
+        """Replace the shards kept for ``step`` by the whole optimizer state of that step: each
+        survivor's own shard and its copies of lost ranks' shards, gathered. Collective over
+        ``survivors``; a no-op for a replicated optimizer."""
+        committed = self.at(step)
+        if not isinstance(committed.optimizer, Shards):
+            return
+        parts = dict(committed.optimizer.owned)
+        for rank in lost:
+            if self.copies is not None and rank in self.copies.backed:
+                parts.update(shard_from_bytes(self.copies.held(rank, step)))
+        state: Dict[int, Dict[Any, Any]] = {}
+        for gathered in all_gather_object(parts, survivors):
+            state.update(gathered)
+        committed.optimizer = {"state": dict(sorted(state.items())),
+                               "param_groups": committed.optimizer.param_groups}
+
     def restore(self, step: int, strategy: Strategy) -> None:
         """Load the state kept for ``step`` into ``strategy``'s model and optimizer (copies:
         the kept state stays as it was)."""
@@ -114,14 +207,26 @@ class Rollback:
 
 def survive(world: MPI.Intracomm, rollback: Rollback) -> Tuple[MPI.Intracomm, List[int], int]:
     """After a lost rank: the survivors' communicator, the ``MPI.COMM_WORLD`` ranks lost, and
-    the newest step every survivor committed (which every survivor holds). Collective over the
-    survivors of ``world``, who must all have seen
-    :class:`~tensorplay_hpc.comm.fault_tolerance.RankLost`."""
+    the newest step every survivor committed and can give whole (its own state, and the copies
+    of the lost ranks' shards it holds), which is then restorable on every survivor. Collective
+    over the survivors of ``world``, who must all have seen
+    :class:`~tensorplay_hpc.comm.fault_tolerance.RankLost`.
+
+    Raises:
+        Unrecoverable: on every survivor, when a lost rank's shard and its copy were both lost,
+            or no step is held whole by every survivor.
+    """
     fault_tolerance.revoke_all(also=[world])
     survivors, lost = fault_tolerance.shrink(world)
-    step = all_reduce_object(rollback.newest, survivors, MPI.MIN)
-    holds = any(c.step == step for c in rollback.kept)
-    if not fault_tolerance.agree(survivors, holds):
-        raise Unrecoverable(f"not every survivor holds step {step}, the newest that all of them "
-                            "committed")
+    partners = rollback.copies.partners if rollback.copies is not None else {}
+    for rank in lost:
+        if partners.get(rank) in lost:
+            raise Unrecoverable(f"world rank {rank}'s shard and its copy on world rank "
+                                f"{partners[rank]} were both lost")
+    common = set.intersection(*(set(steps) for steps in
+                                all_gather_object(rollback.supplies(lost), survivors)))
+    if not common:
+        raise Unrecoverable("no committed step is held whole by every survivor")
+    step = max(common)
+    rollback.reassemble(step, lost, survivors)
     return survivors, lost, step

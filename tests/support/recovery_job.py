@@ -18,14 +18,22 @@ import torch
 
 from tensorplay_hpc.__main__ import main
 from tensorplay_hpc.comm.mpi import MPI
+from tensorplay_hpc.distributed.optim import ZeroRedundancyOptimizer
 from tensorplay_hpc.train import loop, recovery
 
 
 def digest(strategy) -> str:
     """A SHA-256 of the model's and the optimizer's state, bit for bit: every tensor's dtype,
     shape and bytes, and every other value, in a fixed order (not ``torch.save``'s bytes, which
-    depend on how tensors share storage)."""
+    depend on how tensors share storage). A ZeRO optimizer's whole state is consolidated on its
+    rank 0 (collective), where it goes in; the other ranks' digests cover the model only."""
     hashed = hashlib.sha256()
+    optimizer = strategy.optimizer
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        optimizer.consolidate_state_dict(to=0)
+        whole = optimizer.state_dict() if optimizer.rank == 0 else "on rank 0"
+    else:
+        whole = optimizer.state_dict()
 
     def add(value) -> None:
         if isinstance(value, torch.Tensor):
@@ -42,7 +50,7 @@ def digest(strategy) -> str:
         else:
             hashed.update(repr(value).encode())
 
-    add({"model": strategy.module.state_dict(), "optimizer": strategy.optimizer.state_dict()})
+    add({"model": strategy.module.state_dict(), "optimizer": whole})
     return hashed.hexdigest()
 
 

@@ -2,19 +2,22 @@
 of a 4-rank post-local SGD job (DistributedDataParallel, its hook and a model averager) is
 killed with SIGKILL in a chosen step; the survivors roll back to the
 newest step all of them committed, with their model and optimizer state bit for bit as it was
-then, and finish every step on 3 ranks. Where recovery cannot work (ZeRO's sharded state), every
-survivor says why and exits with status 86. Both jobs run side by side, launched with the
+then, and finish every step on 3 ranks. The same for rank 1 of a 3-rank ZeRO job, whose
+optimizer shard comes back from the copy on its partner (rank 2). Where recovery cannot work
+(PowerSGD's error feedback, each rank's own), every survivor says why and exits with status
+86. Both jobs run side by side, launched with the
 ``openmpi5`` lane's mpiexec from the 1-rank pass of whichever lane runs the tests."""
 import re
 
 import pytest
+import torch
 
 import lanes
 import ulfm_lane
 from launch import SUPPORT, only_in_single_rank_run
 from tensorplay_hpc.train.config import TrainConfig
 from tensorplay_hpc.train.history import History
-from tensorplay_hpc.train.recovery import EXIT_UNRECOVERABLE, refusal
+from tensorplay_hpc.train.recovery import EXIT_UNRECOVERABLE, shard_bytes, shard_from_bytes, refusal
 
 JOB = str(SUPPORT / "recovery_job.py")
 TINY = ["--inner", "adam", "--batch-size", "12", "--layers", "1", "--width", "32", "--heads",
@@ -25,7 +28,9 @@ CASES = {   # case: (ranks, rank killed, steps committed before, steps, options)
     "postlocal": (4, 0, 5, 8, ["--optimizer", "postlocal", "--warmup-steps", "2",
                                "--average-period", "2"]),
     "zero": (3, 1, 2, 4, ["--optimizer", "zero"]),
+    "powersgd": (3, 1, 2, 4, ["--optimizer", "zero", "--comm-hook", "powersgd"]),
 }
+RECOVERED = ("postlocal", "zero")
 
 
 def _lines(output: str, what: str) -> dict:
@@ -50,13 +55,28 @@ def test_a_killed_rank_is_survived_or_requeued(tmp_path):
     outputs = {case: (tmp_path / case / "out").read_text() + (tmp_path / case / "err").read_text()
                for case in CASES}
 
-    ranks, killed, at, steps, _ = CASES["postlocal"]
-    output = outputs["postlocal"]
-    assert codes["postlocal"] == 0, output[-5000:]
+    for case in RECOVERED:
+        _recovered(tmp_path / case, outputs[case], codes[case], *CASES[case][:4])
+
+    ranks, killed, _, _, _ = CASES["powersgd"]
+    output = outputs["powersgd"]
+    assert codes["powersgd"] == EXIT_UNRECOVERABLE, output[-5000:]
+    for rank in (r for r in range(ranks) if r != killed):
+        assert re.search(rf"world rank {rank}: --recover: cannot go on after losing a rank: "
+                         r"--comm-hook powersgd keeps state of each rank's own.*; exiting with "
+                         rf"status {EXIT_UNRECOVERABLE}", output), output[-5000:]
+
+
+def _recovered(folder, output: str, code: int, ranks: int, killed: int, at: int,
+               steps: int) -> None:
+    """The job of ``folder`` lost rank ``killed`` after it committed step ``at``, and went on
+    from there to the end."""
+    assert code == 0, output[-5000:]
     survivors = [r for r in range(ranks) if r != killed]
     committed, restored = _lines(output, "committed"), _lines(output, "restored")
     # No committed step is lost: every survivor rolls back to the step the killed rank last
-    # committed, with the state it had then, bit for bit.
+    # committed, with the state it had then, bit for bit (a ZeRO job's whole optimizer state
+    # is in rank 0's digest, its shards put together from the survivors and the copies).
     assert max(s for r, s in committed if r == killed) == at
     assert set(restored) == {(r, at) for r in survivors}, output[-5000:]
     for rank in survivors:
@@ -65,19 +85,11 @@ def test_a_killed_rank_is_survived_or_requeued(tmp_path):
     assert (f"--recover: world ranks [{killed}] lost; {ranks - 1} ranks go on from step {at}"
             in output)
     assert f"done: {steps} steps" in output
-    metrics = (tmp_path / "postlocal" / "run" / "metrics.csv").read_text().splitlines()
+    metrics = (folder / "run" / "metrics.csv").read_text().splitlines()
     assert [row.split(",")[0] for row in metrics[1:]] == [str(s) for s in range(1, steps + 1)]
     killed_at = float(re.search(r"killing at ([0-9.]+)", output).group(1))
     first = min(float(t) for t in re.findall(r"first step after recovery at ([0-9.]+)", output))
     assert first - killed_at < 20, f"recovery took {first - killed_at:.1f} s"
-
-    ranks, killed, _, _, _ = CASES["zero"]
-    output = outputs["zero"]
-    assert codes["zero"] == EXIT_UNRECOVERABLE, output[-5000:]
-    for rank in (r for r in range(ranks) if r != killed):
-        assert re.search(rf"world rank {rank}: --recover: cannot go on after losing a rank: "
-                         r"--optimizer zero keeps state sharded over the ranks.*; exiting with "
-                         rf"status {EXIT_UNRECOVERABLE}", output), output[-5000:]
 
 
 def test_history_rolls_back_to_a_step():
@@ -92,8 +104,8 @@ def test_history_rolls_back_to_a_step():
 
 
 def test_recovery_refusals_say_why():
-    assert refusal(TrainConfig(optimizer="zero")).startswith(
-        "--optimizer zero keeps state sharded over the ranks")
+    assert refusal(TrainConfig(optimizer="fsdp")).startswith(
+        "--optimizer fsdp keeps state that each rank holds alone")
     assert refusal(TrainConfig(optimizer="ddp", comm_hook="powersgd")).startswith(
         "--comm-hook powersgd keeps state")
     assert refusal(TrainConfig(optimizer="ddp", batch_size=32), survivors=3) == (
@@ -103,3 +115,17 @@ def test_recovery_refusals_say_why():
     if lanes.LANE == "system":    # Open MPI 4.1: no ULFM
         assert refusal(TrainConfig(optimizer="postlocal")).startswith(
             "ULFM is not available: the MPI library (open-mpi 4.1")
+
+
+def test_a_shard_travels_as_bytes_and_comes_back_equal():
+    state = {3: {"step": torch.tensor(2.0), "exp_avg": torch.randn(4, 5),
+                 "exp_avg_sq": torch.rand(4, 5, dtype=torch.float64)},
+             7: {"momentum_buffer": torch.arange(6, dtype=torch.int32).view(2, 3),
+                 "note": "kept", "count": 5}}
+    back = shard_from_bytes(shard_bytes(state))
+    assert sorted(back) == [3, 7] and back[7]["note"] == "kept" and back[7]["count"] == 5
+    for index, entries in state.items():
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                assert back[index][key].dtype == value.dtype
+                assert torch.equal(back[index][key], value)

@@ -1,0 +1,103 @@
+"""Copies of each rank's bytes in the memory of a partner rank on another node: state that one
+rank alone holds (a ZeRO shard) outlives that rank, with no disk involved.
+
+Ranks are named by their ``MPI.COMM_WORLD`` rank, the names that
+:func:`~.fault_tolerance.shrink` reports lost ranks by, so the copies stay usable after the
+communicator they travelled on is revoked.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+
+from . import point_to_point
+from .group import ProcessGroup
+from .mpi import MPI
+from .node_layout import NodeLayout
+from .small_collectives import all_gather_object
+
+__all__ = ["PartnerCopies", "partner_of"]
+
+_SIZE, _BYTES = 1, 2   # message tags
+
+
+def partner_of(nodes: List[List[int]], rank: int) -> int:
+    """The rank that holds ``rank``'s copies: the one at the same position on the next node
+    (the last node's go to the first), or the next rank when every rank shares one node."""
+    if len(nodes) == 1:
+        ranks = nodes[0]
+        return ranks[(ranks.index(rank) + 1) % len(ranks)]
+    node = next(i for i, ranks in enumerate(nodes) if rank in ranks)
+    following = nodes[(node + 1) % len(nodes)]
+    return following[nodes[node].index(rank) % len(following)]
+
+
+class PartnerCopies:
+    """Each rank of ``communicator`` sends its bytes to its partner (:func:`partner_of` over
+    the nodes) at every :meth:`keep`, and holds those of the ranks it backs for the ``depth``
+    newest steps. Collective: construct it on every rank of a communicator of at least two
+    ranks, and :meth:`close` it.
+
+    Attributes:
+        partner: the world rank holding this rank's copies.
+        partners: each world rank's partner, by world rank.
+        backed: the world ranks whose copies this rank holds.
+    """
+
+    def __init__(self, communicator: MPI.Intracomm, depth: int = 2) -> None:
+        if communicator.Get_size() < 2:
+            raise ValueError(f"PartnerCopies needs two ranks or more, not "
+                             f"{communicator.Get_size()} (world rank "
+                             f"{MPI.COMM_WORLD.Get_rank()})")
+        self._group = ProcessGroup(communicator, owner="PartnerCopies")
+        world_of = all_gather_object(MPI.COMM_WORLD.Get_rank(), self._group.comm)
+        layout = NodeLayout(self._group.comm)
+        nodes = [[world_of[r] for r in ranks] for ranks in layout.nodes]
+        self._rank_of = {world: rank for rank, world in enumerate(world_of)}
+        self.world_rank = world_of[self._group.rank]
+        self.partners: Dict[int, int] = {w: partner_of(nodes, w) for w in world_of}
+        self.partner = self.partners[self.world_rank]
+        self.backed = [w for w in world_of if self.partners[w] == self.world_rank]
+        self.depth = depth
+        self._held: Dict[int, Dict[int, torch.Tensor]] = {}   # step: {world rank: bytes}
+
+    def keep(self, step: int, payload: torch.Tensor) -> None:
+        """Send ``payload`` (this rank's bytes after ``step``, a 1-D ``uint8`` CPU tensor) to
+        the partner and receive the backed ranks' bytes of ``step``; both are in place when it
+        returns. Collective."""
+        comm = self._group.comm
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        sizes = {w: torch.empty(1, dtype=torch.int64) for w in self.backed}
+        self._exchange(comm, size, sizes, _SIZE)
+        copies = {w: torch.empty(int(n[0]), dtype=torch.uint8) for w, n in sizes.items()}
+        self._exchange(comm, payload, copies, _BYTES)
+        self._held[step] = copies
+        for old in sorted(self._held)[:-self.depth]:
+            del self._held[old]
+
+    def _exchange(self, comm: MPI.Intracomm, mine: torch.Tensor,
+                  theirs: Dict[int, torch.Tensor], tag: int) -> None:
+        works = [point_to_point.send(mine, comm, self._rank_of[self.partner], tag)]
+        works += [point_to_point.receive(t, comm, self._rank_of[w], tag)
+                  for w, t in theirs.items()]
+        for work in works:
+            work.wait()
+
+    @property
+    def comm(self) -> MPI.Intracomm:
+        """The private communicator the copies travel on."""
+        return self._group.comm
+
+    def held(self, rank: int, step: int) -> Optional[torch.Tensor]:
+        """World rank ``rank``'s bytes after ``step``, if this rank holds them. Local."""
+        return self._held.get(step, {}).get(rank)
+
+    @property
+    def steps(self) -> List[int]:
+        """The steps whose copies this rank holds, oldest first. Local."""
+        return sorted(self._held)
+
+    def close(self) -> None:
+        """Free the communicator (the copies held stay readable). Collective."""
+        self._group.close()
