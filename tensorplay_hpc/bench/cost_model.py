@@ -457,7 +457,8 @@ def _fit(small_s: float, large_s: float) -> Link:
     return Link(small_s, max(large_s - small_s, 0.0) / _LARGE)
 
 
-def machine_probes(world: MPI.Intracomm, pairs: MPI.Intracomm, folder: str
+def machine_probes(world: MPI.Intracomm, pairs: MPI.Intracomm, folder: str,
+                   file_bytes: int = 16 * _LARGE
                    ) -> Tuple[List[Callable[[], object]], Callable[[List[float]], Machine]]:
     """What measures this machine at ``world``'s size, every rank busy at once: the functions
     to time (collective over ``world``; ``pairs``, a duplicate of it, carries the exchanges),
@@ -465,9 +466,9 @@ def machine_probes(world: MPI.Intracomm, pairs: MPI.Intracomm, folder: str
     exchanges 8 bytes and 1 MiB with a partner on its node (``Sendrecv``, both directions at
     once, as in a step of a collective), then with one on the next node (the slowest pair
     counts); gamma: ``MPI.SUM.Reduce_local`` of 4 MiB of float32; the update: a torch
-    ``mul_`` of 4 MiB; the file system: raw MPI-IO of 1
-    and 16 MiB written with ``fsync`` (latency the intercept, bandwidth the slope) and 16 MiB
-    read back. Collective."""
+    ``mul_`` of 4 MiB; the file system: raw MPI-IO of
+    ``file_bytes`` and a sixteenth of it written with ``fsync`` (latency the intercept,
+    bandwidth the slope) and ``file_bytes`` read back. Collective."""
     layout = comm.NodeLayout(world)
     small, large = np.zeros(1, dtype=np.float64), np.ones(_LARGE // 8, dtype=np.float64)
     probes: List[Callable[[], object]] = []
@@ -479,9 +480,9 @@ def machine_probes(world: MPI.Intracomm, pairs: MPI.Intracomm, folder: str
             probes += [_exchange(pairs, partner, small), _exchange(pairs, partner, large)]
     a, b = np.ones(_LARGE, dtype=np.float32), np.ones(_LARGE, dtype=np.float32)
     t = torch.ones(_LARGE)
-    path, big = os.path.join(folder, "raw.bin"), 16 * _LARGE
+    path, big, little = os.path.join(folder, "raw.bin"), file_bytes, file_bytes // 16
     probes += [lambda: MPI.SUM.Reduce_local(a, b), lambda: t.mul_(1.0),
-               raw_io(path, _LARGE, world, write=True),
+               raw_io(path, little, world, write=True),
                raw_io(path, big, world, write=True), raw_io(path, big, world, write=False)]
 
     def build(seconds: List[float]) -> Machine:
@@ -489,14 +490,14 @@ def machine_probes(world: MPI.Intracomm, pairs: MPI.Intracomm, folder: str
         reduce_s, update_s, small_s, large_s, read_s = seconds[2 * len(links):]
         intra = fitted.get(False) or fitted.get(True) or Link(0.0, 0.0)
         inter = fitted.get(True) or intra
-        slope = (large_s - small_s) / (big - _LARGE)   # not resolved: latency-bound
+        slope = (large_s - small_s) / (big - little)   # not resolved: latency-bound
         return Machine(
             name=f"measured at {world.Get_size()} ranks on {len(layout.nodes)} node(s)",
             alpha_inter=inter.alpha, beta_inter=inter.beta, alpha_intra=intra.alpha,
             beta_intra=intra.beta, gamma=reduce_s / a.nbytes, update=update_s / a.nbytes,
             ranks_per_node=max(len(ranks) for ranks in layout.nodes),
             fs_write=1 / slope if slope > 0 else math.inf, fs_read=big / read_s,
-            fs_latency=max(small_s - _LARGE * max(slope, 0.0), 0.0),
+            fs_latency=max(small_s - little * max(slope, 0.0), 0.0),
             node_mtbf_s=THIS_VM.node_mtbf_s)
     return probes, build
 
@@ -603,7 +604,8 @@ def _parameters_row(machine: Machine, ranks: int) -> dict:
             "fs_latency_ms": round(machine.fs_latency * 1e3, 3)}
 
 
-def run(report: Report, project_too: bool = False, width: int = WIDTH) -> None:
+def run(report: Report, project_too: bool = False, width: int = WIDTH,
+        file_bytes: int = 16 * _LARGE) -> None:
     """Measure the machine and the library's operations in the same interleaved rounds, then
     print predicted against measured; with ``project_too`` also the projection to 10,000 ranks.
     Collective over ``MPI.COMM_WORLD``."""
@@ -614,7 +616,7 @@ def run(report: Report, project_too: bool = False, width: int = WIDTH) -> None:
         with ExitStack() as stack:
             pairs = world.Dup()
             stack.callback(pairs.Free)
-            probes, build = machine_probes(world, pairs, folder)
+            probes, build = machine_probes(world, pairs, folder, file_bytes)
             cases = _cases(world, folder, stack, width)
             seconds = compare(probes + [case[3] for case in cases], report.repeat, warmup=1)
             machine = build(seconds[:len(probes)])

@@ -139,7 +139,7 @@ def test_projection_covers_every_operation_rank_count_and_machine():
 def test_bench_rows_have_positive_times_and_a_consistent_error():
     assert "cost-model" in available()
     report = Report(repeat=1)
-    cm.run(report, width=32)
+    cm.run(report, width=32, file_bytes=2**20)
     size = MPI.COMM_WORLD.Get_size()
     cases = [row["case"] for row in report.rows]
     assert "checkpoint.save" in cases and "average_parameters" in cases
