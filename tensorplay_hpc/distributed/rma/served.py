@@ -154,9 +154,10 @@ class ServedWindow:
         """Receive the data of the gets started on ``rank``, in the order they were sent."""
         if not any(source == rank for _, source in self._reading):
             return
-        for tensor, source in self._reading:   # traced as part of the epoch or flush
-            if source == rank:
-                self._stream(self._receive, tensor, rank, TO_CLIENT)
+        with trace.rma(f"data of gets from rank {rank}", self._comm_name, 0):
+            for tensor, source in self._reading:
+                if source == rank:
+                    self._stream(self._receive, tensor, rank, TO_CLIENT)
         self._reading = [(tensor, source) for tensor, source in self._reading if source != rank]
 
     def put(self, tensor: torch.Tensor, rank: int, offset: int) -> None:
