@@ -10,12 +10,10 @@ Threads of one process call MPI concurrently, so this needs ``MPI_THREAD_MULTIPL
 
 Locks are real: :meth:`ServedWindow.locked` returns only once the target's
 :class:`~.locks.LockManager` has granted the lock, and the owner's own accesses take the same
-lock manager locally. A rank's requests to one target are served in the order it sent them, so
-the operations of an epoch have completed at the target when its unlock is acknowledged. As with
-MPI windows, a get completes at the flush or the end of its epoch: its data is received there
-(or before a put or accumulate to the same rank), so the gets of a step on several windows of
-one owner take one round trip, not one each, and an epoch of gets ends with its unlock's round
-trip overlapping them. A flush costs a round trip of its own only after a put or accumulate.
+lock manager locally. A rank's requests to one target are served in the order it sent them, and
+each operation of a client completes before its next one starts, so the operations of an epoch
+have completed at the target when its unlock is acknowledged. A get has completed when it
+returns, so a flush costs a round trip only after a put or accumulate.
 
 Clients and service threads wait for messages by polling with growing sleeps rather than in
 blocking MPI calls, which spin: with more ranks than cores, ranks spinning while they wait for
@@ -30,7 +28,7 @@ import threading
 import time
 import traceback
 from contextlib import contextmanager
-from typing import Callable, Iterator, List, Optional, Set, Tuple
+from typing import Callable, Iterator, Optional, Set, Tuple
 
 import numpy as np
 import torch
@@ -98,7 +96,6 @@ class ServedWindow:
         self.local = torch.empty(nbytes, dtype=torch.uint8)
         self._locks = LockManager()
         self._writing: Set[int] = set()  # ranks with puts or accumulates not acknowledged yet
-        self._reading: List[Tuple[torch.Tensor, int]] = []  # gets whose data is still to come
         self._accumulating = threading.Lock()  # accumulates are atomic with respect to each other
         self._service = threading.Thread(target=self._serve, daemon=True,
                                          name=f"rma-served-window-rank{self.rank}")
@@ -140,25 +137,14 @@ class ServedWindow:
             method([staging.memory(tensor, start, count), count, datatype], rank, tag)
 
     def get(self, tensor: torch.Tensor, rank: int, offset: int) -> None:
-        """Start reading ``rank``'s bytes from ``offset`` into ``tensor``; they are there once
-        the epoch ends or is flushed."""
+        """Read ``rank``'s bytes from ``offset`` into ``tensor`` (done when it returns)."""
         local = self._checked(tensor, rank, offset)
         if rank == self.rank:
             tensor.view(-1).view(torch.uint8).copy_(local)
             return
         with trace.rma(f"get from rank {rank}", self._comm_name, tensor.nbytes):
             self._send(rank, GET, offset, tensor)
-        self._reading.append((tensor, rank))
-
-    def _finish_gets(self, rank: int) -> None:
-        """Receive the data of the gets started on ``rank``, in the order they were sent."""
-        if not any(source == rank for _, source in self._reading):
-            return
-        with trace.rma(f"data of gets from rank {rank}", self._comm_name, 0):
-            for tensor, source in self._reading:
-                if source == rank:
-                    self._stream(self._receive, tensor, rank, TO_CLIENT)
-        self._reading = [(tensor, source) for tensor, source in self._reading if source != rank]
+            self._stream(self._receive, tensor, rank, TO_CLIENT)
 
     def put(self, tensor: torch.Tensor, rank: int, offset: int) -> None:
         """Write ``tensor`` into ``rank``'s bytes from ``offset``; complete at the target once
@@ -167,7 +153,6 @@ class ServedWindow:
         if rank == self.rank:
             local.copy_(tensor.view(-1).view(torch.uint8))
             return
-        self._finish_gets(rank)  # the service may be sending them: receive before sending data
         with trace.rma(f"put to rank {rank}", self._comm_name, tensor.nbytes):
             self._send(rank, PUT, offset, tensor)
             self._stream(self._comm.Send, tensor, rank, TO_SERVICE)
@@ -184,7 +169,6 @@ class ServedWindow:
         if rank == self.rank:
             self._combine(local, tensor.view(-1), code)
             return
-        self._finish_gets(rank)
         with trace.rma(f"accumulate to rank {rank}", self._comm_name, tensor.nbytes):
             self._send(rank, ACCUMULATE, offset, tensor, code)
             self._stream(self._comm.Send, tensor, rank, TO_SERVICE)
@@ -211,15 +195,13 @@ class ServedWindow:
                 if rank == self.rank:
                     self._locks.release(_LOCAL)
                 else:
-                    self._send(rank, UNLOCK)  # served after the gets: their data comes first
-                    self._finish_gets(rank)
+                    self._send(rank, UNLOCK)
                     self._await(rank)
                     self._writing.discard(rank)
 
     def flush(self, rank: int) -> None:
-        """Complete the operations started on ``rank`` in the current epoch: receive the data of
-        its gets, and, if puts or accumulates were sent since the last one, a round trip."""
-        self._finish_gets(rank)
+        """Complete the operations started on ``rank`` in the current epoch: a round trip if
+        puts or accumulates were sent since the last one (gets are complete already)."""
         if rank in self._writing:
             with trace.rma(f"flush rank {rank}", self._comm_name, 0):
                 self._send(rank, FLUSH)
