@@ -12,14 +12,7 @@ Locks are real: :meth:`ServedWindow.locked` returns only once the target's
 :class:`~.locks.LockManager` has granted the lock, and the owner's own accesses take the same
 lock manager locally. A rank's requests to one target are served in the order it sent them, and
 each operation of a client completes before its next one starts, so the operations of an epoch
-have completed at the target when its unlock is acknowledged. A get has completed when it
-returns, so a flush costs a round trip only after a put or accumulate.
-
-Clients and service threads wait for messages by polling with growing sleeps rather than in
-blocking MPI calls, which spin: with more ranks than cores, ranks spinning while they wait for
-a lock would starve the owner's service thread and the rank that holds the lock (7 trainers
-making 350 steps on one owner's parameter, 8 ranks on 4 simulated nodes of a 2-core machine:
-21-39 s with blocking receives, 4-7 s polling).
+have completed at the target when its unlock is acknowledged.
 """
 from __future__ import annotations
 
@@ -28,7 +21,7 @@ import threading
 import time
 import traceback
 from contextlib import contextmanager
-from typing import Callable, Iterator, Optional, Set, Tuple
+from typing import Iterator, Optional, Tuple
 
 import numpy as np
 import torch
@@ -56,18 +49,7 @@ _REDUCTIONS = (("SUM", torch.Tensor.add_), ("REPLACE", torch.Tensor.copy_),
                ("MAX", lambda target, value: torch.maximum(target, value, out=target)),
                ("MIN", lambda target, value: torch.minimum(target, value, out=target)))
 _LOCAL = -1  # the holder name of this rank's own application thread
-_IDLE_WAIT = (2e-5, 1e-3)  # a waiting thread's polling interval grows between these
-
-
-def _sleep_until(ready: Callable[[], bool]) -> None:
-    """Call ``ready`` until it returns true, sleeping between calls for a time that grows from
-    20 µs to 1 ms: a thread waiting on MPI leaves the cores to the threads that have work (a
-    blocking MPI call spins, and with more ranks than cores spinning waiters starve the owner's
-    service thread and the lock holder)."""
-    wait = _IDLE_WAIT[0]
-    while not ready():
-        time.sleep(wait)
-        wait = min(wait * 2, _IDLE_WAIT[1])
+_IDLE_WAIT = (2e-5, 1e-3)  # the service thread's polling interval grows between these
 
 
 def _reduction_code(op: MPI.Op) -> int:
@@ -95,7 +77,6 @@ class ServedWindow:
         self._sizes = all_gather_object(nbytes, self._comm)
         self.local = torch.empty(nbytes, dtype=torch.uint8)
         self._locks = LockManager()
-        self._writing: Set[int] = set()  # ranks with puts or accumulates not acknowledged yet
         self._accumulating = threading.Lock()  # accumulates are atomic with respect to each other
         self._service = threading.Thread(target=self._serve, daemon=True,
                                          name=f"rma-served-window-rank{self.rank}")
@@ -103,8 +84,8 @@ class ServedWindow:
 
     # The client side: this rank's application thread.
 
-    def _send(self, rank: int, operation: int, offset: int = 0,
-              tensor: Optional[torch.Tensor] = None, reduction: int = 0) -> None:
+    def _send(self, rank: int, operation: int, offset: int = 0, tensor: Optional[torch.Tensor] = None,
+              reduction: int = 0) -> None:
         header = np.zeros(HEADER, dtype=np.int64)
         header[:2] = operation, offset
         if tensor is not None:
@@ -112,13 +93,8 @@ class ServedWindow:
         header[5] = reduction
         self._comm.Send([header, MPI.INT64_T], rank, REQUEST)
 
-    def _receive(self, buffer: list, rank: int, tag: int) -> None:
-        """Receive a message of ``rank``'s service, waiting for it without spinning."""
-        _sleep_until(lambda: self._comm.Iprobe(rank, tag))
-        self._comm.Recv(buffer, rank, tag)
-
     def _await(self, rank: int) -> None:
-        self._receive([np.empty(1, dtype=np.int64), MPI.INT64_T], rank, REPLY)
+        self._comm.Recv([np.empty(1, dtype=np.int64), MPI.INT64_T], rank, REPLY)
 
     def _checked(self, tensor: torch.Tensor, rank: int, offset: int) -> torch.Tensor:
         """``rank``'s bytes that ``tensor`` covers from ``offset``, once checked (a view when
@@ -144,7 +120,7 @@ class ServedWindow:
             return
         with trace.rma(f"get from rank {rank}", self._comm_name, tensor.nbytes):
             self._send(rank, GET, offset, tensor)
-            self._stream(self._receive, tensor, rank, TO_CLIENT)
+            self._stream(self._comm.Recv, tensor, rank, TO_CLIENT)
 
     def put(self, tensor: torch.Tensor, rank: int, offset: int) -> None:
         """Write ``tensor`` into ``rank``'s bytes from ``offset``; complete at the target once
@@ -156,7 +132,6 @@ class ServedWindow:
         with trace.rma(f"put to rank {rank}", self._comm_name, tensor.nbytes):
             self._send(rank, PUT, offset, tensor)
             self._stream(self._comm.Send, tensor, rank, TO_SERVICE)
-        self._writing.add(rank)
 
     def accumulate(self, tensor: torch.Tensor, rank: int, offset: int,
                    op: Optional[MPI.Op] = None) -> None:
@@ -172,7 +147,6 @@ class ServedWindow:
         with trace.rma(f"accumulate to rank {rank}", self._comm_name, tensor.nbytes):
             self._send(rank, ACCUMULATE, offset, tensor, code)
             self._stream(self._comm.Send, tensor, rank, TO_SERVICE)
-        self._writing.add(rank)
 
     def _combine(self, memory: torch.Tensor, values: torch.Tensor, code: int) -> None:
         with self._accumulating:
@@ -197,16 +171,13 @@ class ServedWindow:
                 else:
                     self._send(rank, UNLOCK)
                     self._await(rank)
-                    self._writing.discard(rank)
 
     def flush(self, rank: int) -> None:
-        """Complete the operations started on ``rank`` in the current epoch: a round trip if
-        puts or accumulates were sent since the last one (gets are complete already)."""
-        if rank in self._writing:
+        """Complete the operations started on ``rank`` in the current epoch."""
+        if rank != self.rank:
             with trace.rma(f"flush rank {rank}", self._comm_name, 0):
                 self._send(rank, FLUSH)
                 self._await(rank)
-            self._writing.discard(rank)
 
     def sync(self) -> None:
         """Nothing to order: local memory is only reached through this process's locks."""
@@ -267,12 +238,17 @@ class ServedWindow:
         rank, or, where the library may never complete one
         (:func:`~tensorplay_hpc.comm.library.pending_wildcard_receive_stalls`), a probe, then a
         receive from the rank found (only this thread receives requests)."""
+        wait = _IDLE_WAIT[0]
         if library.pending_wildcard_receive_stalls():
-            _sleep_until(lambda: self._comm.Iprobe(MPI.ANY_SOURCE, REQUEST, status))
+            while not self._comm.Iprobe(MPI.ANY_SOURCE, REQUEST, status):
+                time.sleep(wait)
+                wait = min(wait * 2, _IDLE_WAIT[1])
             self._comm.Recv([header, MPI.INT64_T], status.Get_source(), REQUEST, status)
             return
         request = self._comm.Irecv([header, MPI.INT64_T], MPI.ANY_SOURCE, REQUEST)
-        _sleep_until(lambda: request.Test(status))
+        while not request.Test(status):
+            time.sleep(wait)
+            wait = min(wait * 2, _IDLE_WAIT[1])
 
     def _reply(self, rank: int) -> None:
         self._comm.Send([np.zeros(1, dtype=np.int64), MPI.INT64_T], rank, REPLY)
