@@ -76,9 +76,10 @@ def refusal(config: TrainConfig, survivors: Optional[int] = None) -> Optional[st
 @dataclass
 class Shards:
     """A ZeRO optimizer's state as the ranks hold it: ``owned``, the state of this rank's
-    parameters by global index, and the hyperparameters of every group."""
+    parameters by global index as :func:`shard_bytes` packs it (the bytes its partner also
+    gets), and the hyperparameters of every group."""
 
-    owned: Dict[int, Dict[Any, Any]]
+    owned: torch.Tensor
     param_groups: List[Dict[str, Any]]
 
 
@@ -130,11 +131,11 @@ class Rollback:
         model = {k: v.detach().clone() for k, v in strategy.module.state_dict().items()}
         optimizer = strategy.optimizer
         if isinstance(optimizer, ZeroRedundancyOptimizer):
-            state: Union[Dict[str, Any], Shards] = Shards(copy.deepcopy(optimizer.owned_state()),
+            state: Union[Dict[str, Any], Shards] = Shards(shard_bytes(optimizer.owned_state()),
                                                           optimizer.indexed_param_groups())
             copies = self._partner_copies(optimizer)
             if copies is not None:
-                copies.keep(step, shard_bytes(state.owned))
+                copies.keep(step, state.owned)
         else:
             state = copy.deepcopy(optimizer.state_dict())
         self.kept = [*self.kept[-1:], Committed(step, model, state)]
@@ -186,7 +187,7 @@ class Rollback:
         committed = self.at(step)
         if not isinstance(committed.optimizer, Shards):
             return
-        parts = dict(committed.optimizer.owned)
+        parts = shard_from_bytes(committed.optimizer.owned)
         for rank in lost:
             if self.copies is not None and rank in self.copies.backed:
                 parts.update(shard_from_bytes(self.copies.held(rank, step)))
