@@ -245,9 +245,9 @@ def distributed_optimizer_step(machine: Machine, transport: str, nbytes: float, 
       the owner's memory: ``(1 + s)`` passes over ``n``;
     - ``mpi`` windows: 3 lock and 3 unlock round trips, one more for the pipelined gets, and
       ``(3 + 2s) n`` bytes (gradient, value and state fetched; value and state put back);
-    - ``served``: every get waits for its answer: ``9 + t(3 + s)`` round trips (3 locks, per
-      tensor a gradient, a value, a flag and s states; 3 flushes; 3 unlocks), ``t(2 + s)``
-      one-way puts and the same bytes.
+    - ``served``: every get waits for its answer: ``6 + t(3 + s)`` round trips (3 locks, per
+      tensor a gradient, a value, a flag and s states; 3 unlocks; the flushes after gets cost
+      nothing), ``t(2 + s)`` one-way puts and the same bytes.
     """
     compute = (1 + state_entries) * nbytes * machine.update
     if transport == "shared":
@@ -255,7 +255,7 @@ def distributed_optimizer_step(machine: Machine, transport: str, nbytes: float, 
     if transport == "mpi":
         round_trips, one_way = 2 * _LOCKS + 1, 0
     elif transport == "served":
-        round_trips = 3 * _LOCKS + tensors * (3 + state_entries)
+        round_trips = 2 * _LOCKS + tensors * (3 + state_entries)
         one_way = tensors * (2 + state_entries)
     else:
         raise ValueError(f"transport {transport!r}: the model knows shared, mpi and served")

@@ -84,16 +84,16 @@ def test_ddp_zero_and_averaging():
 
 
 def test_distributed_optimizer_round_trips():
-    # served, 2 tensors, SGD: 9 + 2 * 3 = 15 round trips, 4 one-way puts, 3 MB moved
+    # served, 2 tensors, SGD: 6 + 2 * 3 = 12 round trips, 4 one-way puts, 3 MB moved
     assert cm.distributed_optimizer_step(MACHINE, "served", 1e6, 2) == pytest.approx(
-        34 * 10e-6 + 3e-3 + 2e-4)
+        28 * 10e-6 + 3e-3 + 2e-4)
     # MPI windows, Adam (2 state entries): 7 round trips, 7 MB moved, 3 passes
     assert cm.distributed_optimizer_step(MACHINE, "mpi", 1e6, 2, state_entries=2) == (
         pytest.approx(14 * 10e-6 + 7e-3 + 6e-4))
     assert cm.distributed_optimizer_step(MACHINE, "shared", 1e6, 2) == pytest.approx(2.06e-4)
     # trainers wait for each other on the owner's exclusive lock
     assert cm.distributed_optimizer_step(MACHINE, "served", 1e6, 2, trainers=3) == (
-        pytest.approx(3 * (34 * 10e-6 + 3e-3 + 2e-4)))
+        pytest.approx(3 * (28 * 10e-6 + 3e-3 + 2e-4)))
     with pytest.raises(ValueError, match="transport 'tcp'"):
         cm.distributed_optimizer_step(MACHINE, "tcp", 1e6, 2)
 

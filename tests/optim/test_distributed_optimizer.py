@@ -204,6 +204,7 @@ def owner_computes_without_mpi(param, expected, seconds=60.0):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.scale   # every other rank asks one owner at once
 def test_concurrent_trainers_never_lose_an_update(world, step_path):
     """Every other rank makes 50 SGD steps (lr 1, gradient 1) on a parameter of rank 0, which
     computes without calling MPI until it sees all of them. At 4 ranks over two nodes (ranks 0
@@ -237,6 +238,7 @@ def test_concurrent_trainers_never_lose_an_update(world, step_path):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.scale
 def test_concurrent_adam_steps_continue_one_state(world, step_path):
     rank, size = world.Get_rank(), world.Get_size()
     steps, trainers = 30, size - 1

@@ -12,7 +12,13 @@ Locks are real: :meth:`ServedWindow.locked` returns only once the target's
 :class:`~.locks.LockManager` has granted the lock, and the owner's own accesses take the same
 lock manager locally. A rank's requests to one target are served in the order it sent them, and
 each operation of a client completes before its next one starts, so the operations of an epoch
-have completed at the target when its unlock is acknowledged.
+have completed at the target when its unlock is acknowledged. A get has completed when it returns,
+so a flush costs a round trip only after a put or accumulate.
+
+Replies and the data of gets travel on a second duplicate, on which only the client receives, and
+every waiting thread polls a pending receive with growing sleeps instead of waiting in a blocking
+MPI call, which spins: with more ranks than cores, clients spinning while they wait for a lock
+starve the owner's service thread and the rank that holds the lock.
 """
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ import threading
 import time
 import traceback
 from contextlib import contextmanager
-from typing import Iterator, Optional, Tuple
+from typing import Callable, Iterator, Optional, Set, Tuple
 
 import numpy as np
 import torch
@@ -37,8 +43,8 @@ from .window import check_accumulable, check_transferable
 
 __all__ = ["HEADER", "ServedWindow"]
 
-# Message tags. Each rank runs a client and a service on one communicator, so every direction
-# has its own: to a service (requests and the data of puts), and back (replies, data of gets).
+# Message tags. To a service (on the window's communicator): requests and the data of puts; back
+# to a client (on its reply communicator): replies and the data of gets.
 REQUEST, REPLY, TO_SERVICE, TO_CLIENT = 1, 2, 3, 4
 LOCK_SHARED, LOCK_EXCLUSIVE, UNLOCK, GET, PUT, ACCUMULATE, FLUSH, STOP = range(8)
 HEADER = 6  # operation, byte offset, elements, dtype code, chunk limit, reduction code
@@ -49,7 +55,21 @@ _REDUCTIONS = (("SUM", torch.Tensor.add_), ("REPLACE", torch.Tensor.copy_),
                ("MAX", lambda target, value: torch.maximum(target, value, out=target)),
                ("MIN", lambda target, value: torch.minimum(target, value, out=target)))
 _LOCAL = -1  # the holder name of this rank's own application thread
-_IDLE_WAIT = (2e-5, 1e-3)  # the service thread's polling interval grows between these
+_IDLE_WAIT = (2e-5, 1e-3)  # a waiting thread's polling interval grows between these
+_EAGER_POLL = 5e-5  # a client polls without sleeping this long first (a reply is often quick)
+
+
+def _poll(ready: Callable[[], bool], eager: float = 0.0) -> None:
+    """Call ``ready`` until it returns true: without sleeping for ``eager`` seconds, then with
+    sleeps that grow from 20 µs to 1 ms, so a waiting thread leaves the cores to those with work."""
+    deadline = time.perf_counter() + eager
+    while time.perf_counter() < deadline:
+        if ready():
+            return
+    wait = _IDLE_WAIT[0]
+    while not ready():
+        time.sleep(wait)
+        wait = min(wait * 2, _IDLE_WAIT[1])
 
 
 def _reduction_code(op: MPI.Op) -> int:
@@ -73,10 +93,13 @@ class ServedWindow:
         self._group = comm.ProcessGroup(communicator, owner="ServedWindow")
         self._comm = self._group.comm
         self.rank = self._group.rank
+        self._replies_group = comm.ProcessGroup(communicator, owner="ServedWindow replies")
+        self._replies = self._replies_group.comm
         self._comm_name = trace.communicator_name(self._comm)
         self._sizes = all_gather_object(nbytes, self._comm)
         self.local = torch.empty(nbytes, dtype=torch.uint8)
         self._locks = LockManager()
+        self._writing: Set[int] = set()  # ranks with puts or accumulates not acknowledged yet
         self._accumulating = threading.Lock()  # accumulates are atomic with respect to each other
         self._service = threading.Thread(target=self._serve, daemon=True,
                                          name=f"rma-served-window-rank{self.rank}")
@@ -84,8 +107,8 @@ class ServedWindow:
 
     # The client side: this rank's application thread.
 
-    def _send(self, rank: int, operation: int, offset: int = 0, tensor: Optional[torch.Tensor] = None,
-              reduction: int = 0) -> None:
+    def _send(self, rank: int, operation: int, offset: int = 0,
+              tensor: Optional[torch.Tensor] = None, reduction: int = 0) -> None:
         header = np.zeros(HEADER, dtype=np.int64)
         header[:2] = operation, offset
         if tensor is not None:
@@ -93,8 +116,12 @@ class ServedWindow:
         header[5] = reduction
         self._comm.Send([header, MPI.INT64_T], rank, REQUEST)
 
+    def _receive(self, buffer: list, rank: int, tag: int) -> None:
+        """Receive a reply or get data from ``rank``'s service, polling."""
+        _poll(self._replies.Irecv(buffer, rank, tag).Test, _EAGER_POLL)
+
     def _await(self, rank: int) -> None:
-        self._comm.Recv([np.empty(1, dtype=np.int64), MPI.INT64_T], rank, REPLY)
+        self._receive([np.empty(1, dtype=np.int64), MPI.INT64_T], rank, REPLY)
 
     def _checked(self, tensor: torch.Tensor, rank: int, offset: int) -> torch.Tensor:
         """``rank``'s bytes that ``tensor`` covers from ``offset``, once checked (a view when
@@ -120,7 +147,7 @@ class ServedWindow:
             return
         with trace.rma(f"get from rank {rank}", self._comm_name, tensor.nbytes):
             self._send(rank, GET, offset, tensor)
-            self._stream(self._comm.Recv, tensor, rank, TO_CLIENT)
+            self._stream(self._receive, tensor, rank, TO_CLIENT)
 
     def put(self, tensor: torch.Tensor, rank: int, offset: int) -> None:
         """Write ``tensor`` into ``rank``'s bytes from ``offset``; complete at the target once
@@ -132,6 +159,7 @@ class ServedWindow:
         with trace.rma(f"put to rank {rank}", self._comm_name, tensor.nbytes):
             self._send(rank, PUT, offset, tensor)
             self._stream(self._comm.Send, tensor, rank, TO_SERVICE)
+        self._writing.add(rank)
 
     def accumulate(self, tensor: torch.Tensor, rank: int, offset: int,
                    op: Optional[MPI.Op] = None) -> None:
@@ -147,6 +175,7 @@ class ServedWindow:
         with trace.rma(f"accumulate to rank {rank}", self._comm_name, tensor.nbytes):
             self._send(rank, ACCUMULATE, offset, tensor, code)
             self._stream(self._comm.Send, tensor, rank, TO_SERVICE)
+        self._writing.add(rank)
 
     def _combine(self, memory: torch.Tensor, values: torch.Tensor, code: int) -> None:
         with self._accumulating:
@@ -171,13 +200,16 @@ class ServedWindow:
                 else:
                     self._send(rank, UNLOCK)
                     self._await(rank)
+                    self._writing.discard(rank)
 
     def flush(self, rank: int) -> None:
-        """Complete the operations started on ``rank`` in the current epoch."""
-        if rank != self.rank:
+        """Complete the operations started on ``rank`` in the current epoch: a round trip if
+        puts or accumulates were sent since the last one (gets are complete already)."""
+        if rank in self._writing:
             with trace.rma(f"flush rank {rank}", self._comm_name, 0):
                 self._send(rank, FLUSH)
                 self._await(rank)
+            self._writing.discard(rank)
 
     def sync(self) -> None:
         """Nothing to order: local memory is only reached through this process's locks."""
@@ -200,6 +232,7 @@ class ServedWindow:
             self._send(self.rank, STOP)
             self._service.join()
         self.local = torch.empty(0, dtype=torch.uint8)
+        self._replies_group.close()
         self._group.close()
 
     # The service thread.
@@ -238,27 +271,22 @@ class ServedWindow:
         rank, or, where the library may never complete one
         (:func:`~tensorplay_hpc.comm.library.pending_wildcard_receive_stalls`), a probe, then a
         receive from the rank found (only this thread receives requests)."""
-        wait = _IDLE_WAIT[0]
         if library.pending_wildcard_receive_stalls():
-            while not self._comm.Iprobe(MPI.ANY_SOURCE, REQUEST, status):
-                time.sleep(wait)
-                wait = min(wait * 2, _IDLE_WAIT[1])
+            _poll(lambda: self._comm.Iprobe(MPI.ANY_SOURCE, REQUEST, status))
             self._comm.Recv([header, MPI.INT64_T], status.Get_source(), REQUEST, status)
             return
         request = self._comm.Irecv([header, MPI.INT64_T], MPI.ANY_SOURCE, REQUEST)
-        while not request.Test(status):
-            time.sleep(wait)
-            wait = min(wait * 2, _IDLE_WAIT[1])
+        _poll(lambda: request.Test(status))
 
     def _reply(self, rank: int) -> None:
-        self._comm.Send([np.zeros(1, dtype=np.int64), MPI.INT64_T], rank, REPLY)
+        self._replies.Send([np.zeros(1, dtype=np.int64), MPI.INT64_T], rank, REPLY)
 
     def _transfer(self, operation: int, source: int, offset: int, numel: int,
                   dtype: torch.dtype, limit: int, reduction: int) -> None:
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         memory = self.local[offset:offset + nbytes]
         if operation == GET:
-            method, buffer, tag = self._comm.Send, memory.view(dtype), TO_CLIENT
+            method, buffer, tag = self._replies.Send, memory.view(dtype), TO_CLIENT
         elif operation == PUT:
             method, buffer, tag = self._comm.Recv, memory.view(dtype), TO_SERVICE
         else:
