@@ -6,6 +6,11 @@ before; the wait in the batch queue not counted). Both under the ``openmpi5`` la
 
     TENSORPLAY_MPI=openmpi5 source scripts/env.sh
     python tests/support/recovery_figures.py [--repeats 3] [--step 9]
+    python tests/support/recovery_figures.py --redundancy [--repeats 3]
+
+``--redundancy`` measures instead what ``--recover`` costs a 4-rank ``--optimizer zero`` job
+(the training job's default model, Adam) while nothing fails: its mean step time and the bytes
+each rank sends per step, with and without it, runs alternating.
 
 The requeued job writes a checkpoint every 3 steps (in the background), resumes from the newest
 complete one and repeats the steps after it, as a requeued job does; the recovered one writes
@@ -58,13 +63,50 @@ def requeued(step: int, steps: int, folder: Path) -> float:
     return _time(again, "first step") - killed
 
 
+def step_cost(recover: bool, steps: int, folder: Path) -> tuple:
+    """The mean step time (s) and the median bytes rank 0 sends per step of a 4-rank ZeRO job
+    without failures, from its ``metrics.csv`` (the last row's tokens/s is the whole run's)."""
+    args = ["-m", "tensorplay_hpc", "train", "--optimizer", "zero", "--inner", "adam",
+            "--steps", str(steps), "--run-dir", str(folder), "--checkpoint-every", "0",
+            "--eval-every", "0", "--eval-batches", "1", "--no-progress", "--log-every", "0",
+            "--threads", "1", *(["--recover"] if recover else [])]
+    output = _run(args, ft=True)
+    metrics = folder / "metrics.csv"
+    if not metrics.exists():
+        raise RuntimeError(f"the job wrote no metrics:\n{output[-3000:]}")
+    rows = [line.split(",") for line in metrics.read_text().splitlines()[1:]]
+    tokens_per_step = 32 * 64   # the default --batch-size and --context
+    return tokens_per_step / float(rows[-1][3]), statistics.median(int(r[4]) for r in rows)
+
+
+def redundancy(repeats: int) -> None:
+    samples = {"without": [], "with": []}
+    for repeat in range(repeats):
+        for case in samples:
+            with tempfile.TemporaryDirectory(dir="/var/tmp") as folder:
+                samples[case].append(step_cost(case == "with", 40, Path(folder)))
+            print(f"{case} --recover {repeat}: {samples[case][-1][0] * 1e3:.1f} ms per step, "
+                  f"{samples[case][-1][1]:.0f} bytes per rank and step", flush=True)
+    times = {case: [t for t, _ in values] for case, values in samples.items()}
+    ours, baseline = statistics.median(times["with"]), statistics.median(times["without"])
+    print(json.dumps({"bench": "recovery", "case": "zero step with and without --recover",
+                      "ranks": 4, "ours_s": ours, "baseline": "no --recover",
+                      "baseline_s": baseline, "cost": ours / baseline - 1,
+                      "bytes_per_rank_step": {c: v[0][1] for c, v in samples.items()},
+                      "samples": times, "at": time.strftime("%Y-%m-%d %H:%M")}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--step", type=int, default=9)
+    parser.add_argument("--redundancy", action="store_true",
+                        help="measure the cost of --recover without failures instead")
     options = parser.parse_args()
     if ulfm_lane.missing():
         sys.exit(ulfm_lane.missing())
+    if options.redundancy:
+        return redundancy(options.repeats)
     times = {"recover": [], "requeue": []}
     for repeat in range(options.repeats):
         for case, measure in (("recover", recovered), ("requeue", requeued)):
