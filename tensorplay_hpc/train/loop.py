@@ -363,7 +363,10 @@ class Run(comm.Closeable):
         if self._rollback is None:
             raise Unrecoverable(f"--recover: cannot go on after losing a rank: "
                                 f"{refusal(self.config)}")
-        survivors, gone, step = survive(self.world, self._rollback)
+        try:
+            survivors, gone, step = survive(self.world, self._rollback)
+        except Unrecoverable as why:
+            raise Unrecoverable(f"--recover: cannot go on after losing ranks: {why}") from None
         reason = refusal(self.config, survivors.Get_size())
         if reason is not None:
             raise Unrecoverable(f"--recover: cannot go on after losing world ranks {gone}: "
