@@ -4,8 +4,8 @@
 #   system (Debian's Open MPI 4.1): mpiexec with 1, 2 and 4 ranks on one node, and 4 ranks over
 #           2 simulated nodes, the tests marked scale at 8 ranks over 4 and those marked
 #           resume_smoke at 16 ranks over 4 (as root);
-#   mpich, openmpi5: 2 ranks on one node, and 4 ranks over 2 simulated nodes (not root: 4 ranks
-#           on one node instead); openmpi5 also runs the recovery tests (ULFM) on 1 rank;
+#   mpich, openmpi5: 4 ranks over 2 simulated nodes (not root: 2 and 4 ranks on one node
+#           instead); openmpi5 also runs the recovery tests (ULFM) on 1 rank;
 #   impi:   2 and 4 ranks on one node.
 #
 # TENSORPLAY_MPI=NAME runs one lane only. Extra arguments go to pytest (a test file, -k EXPR).
@@ -35,10 +35,10 @@ status=0
 case $lane in
     system) rank_counts=(1 2 4); nodes=yes ;;
     impi) rank_counts=(2 4); nodes=no ;;
-    *) rank_counts=(2); nodes=yes ;;
+    *) rank_counts=(); nodes=yes ;;
 esac
 if [ "$nodes" = yes ] && [ "$(id -u)" -ne 0 ] && [ "$lane" != system ]; then
-    rank_counts+=(4)   # without the pass over nodes, 4 ranks on one node
+    rank_counts=(2 4)   # without the pass over nodes, 2 and 4 ranks on one node
 fi
 
 if [ "$lane" = system ]; then

@@ -10,10 +10,13 @@ ZeroRedundancyOptimizer) and what CASE needs, together; then the calling rank pr
 through the watchdog (``TENSORPLAY_HPC_COLLECTIVE_TIMEOUT``); one that is not collective returns,
 the rank prints ``returned``, and the job ends normally. FOLDER is a folder every rank sees.
 """
+import faulthandler
 import os
 import sys
 import time
 from typing import Callable, Dict, Tuple
+
+faulthandler.dump_traceback_later(90)   # a job that hangs says where, before it is killed at 120 s
 
 import torch
 from mpi4py import MPI
