@@ -1,10 +1,10 @@
 """``tensorplay-hpc train`` in which ranks die: ``recovery_job.py RANKS STEP TRAIN-OPTIONS``.
 
 Each world rank of RANKS (comma-separated) kills itself with SIGKILL in step STEP + 1 (after
-committing step STEP), as a crashed node would end it. Every rank prints ``committed S DIGEST`` after each step it commits,
-and ``restored S DIGEST`` once recovery has put back the state of step S, where DIGEST is a
-SHA-256 of its model and optimizer state (every tensor's bytes). The kill prints
-``killing at T`` with the time (``time.time()``), the first step of the process
+committing step STEP), as a crashed node would end it. Every rank prints ``committed S DIGEST``
+after each step it commits, and ``restored S DIGEST`` once recovery has put back the state of
+step S, where DIGEST is a SHA-256 of its model and optimizer state (every tensor's bytes). The
+kill prints ``killing at T`` with the time (``time.time()``), the first step of the process
 ``first step at T`` and the first step after recovery ``first step after recovery at T``.
 RANKS -1 kills no rank.
 """
@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import time
+from typing import List
 
 import torch
 
@@ -58,7 +59,7 @@ def say(line: str) -> None:
     print(f"[world rank {MPI.COMM_WORLD.Get_rank()}] {line}", flush=True)
 
 
-def patch(kill_ranks: list, kill_step: int) -> None:
+def patch(kill_ranks: List[int], kill_step: int) -> None:
     """Kill ``kill_ranks`` in their step ``kill_step + 1`` and report commits and restores."""
     step, commit = loop.Run.train_step, recovery.Rollback.commit
     restore = recovery.Rollback.restore

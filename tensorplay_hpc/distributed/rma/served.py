@@ -61,7 +61,8 @@ _EAGER_POLL = 5e-5  # a client polls without sleeping this long first (a reply i
 
 def _poll(ready: Callable[[], bool], eager: float = 0.0) -> None:
     """Call ``ready`` until it returns true: without sleeping for ``eager`` seconds, then with
-    sleeps that grow from 20 µs to 1 ms, so a waiting thread leaves the cores to those with work."""
+    sleeps that grow from 20 µs to 1 ms, so that a waiting thread leaves the cores to threads
+    with work."""
     deadline = time.perf_counter() + eager
     while time.perf_counter() < deadline:
         if ready():
