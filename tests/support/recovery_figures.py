@@ -28,6 +28,7 @@ from pathlib import Path
 
 import ulfm_lane
 from launch import REPO, SUPPORT, clean_env
+from tensorplay_hpc.train.config import TrainConfig
 
 JOB = str(SUPPORT / "recovery_job.py")
 MODEL = ["--optimizer", "ddp", "--inner", "adam", "--batch-size", "12", "--layers", "2",
@@ -75,7 +76,8 @@ def step_cost(recover: bool, steps: int, folder: Path) -> tuple:
     if not metrics.exists():
         raise RuntimeError(f"the job wrote no metrics:\n{output[-3000:]}")
     rows = [line.split(",") for line in metrics.read_text().splitlines()[1:]]
-    tokens_per_step = 32 * 64   # the default --batch-size and --context
+    defaults = TrainConfig()
+    tokens_per_step = defaults.batch_size * defaults.context
     return tokens_per_step / float(rows[-1][3]), statistics.median(int(r[4]) for r in rows)
 
 
