@@ -27,6 +27,12 @@ from tensorplay_hpc.checkpoint import files
 from tensorplay_hpc.distributed.optim import ZeroRedundancyOptimizer
 
 
+def say(line: str) -> None:
+    """Print ``line`` in one write, so that the lines of several ranks never run together."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def make_model():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(5, 9), torch.nn.Tanh(), torch.nn.Linear(9, 7),
@@ -75,9 +81,9 @@ def main(mode, path, *rest):
         try:
             checkpoint.save(path, model, optimizer, extra={"step": 2, "padding": padding})
         except checkpoint.CheckpointError as error:
-            print(f"save failed: {error}", flush=True)
+            say(f"save failed: {error}")
         step = checkpoint.load(path, model, optimizer)["step"]
-        print(f"rank {MPI.COMM_WORLD.Get_rank()} loaded step {step}", flush=True)
+        say(f"rank {MPI.COMM_WORLD.Get_rank()} loaded step {step}")
     elif mode == "fill":
         checkpoint.save(path, model, optimizer, extra={"step": 1})
         filler = os.path.join(os.path.dirname(path), "filler")
@@ -92,13 +98,13 @@ def main(mode, path, *rest):
         try:
             checkpoint.save(path, model, optimizer, extra={"step": 2})
         except checkpoint.CheckpointError as error:
-            print(f"save failed: {error}", flush=True)
+            say(f"save failed: {error}")
         MPI.COMM_WORLD.Barrier()
         if MPI.COMM_WORLD.Get_rank() == 0:
             os.remove(filler)
         MPI.COMM_WORLD.Barrier()
         step = checkpoint.load(path, model, optimizer)["step"]
-        print(f"rank {MPI.COMM_WORLD.Get_rank()} loaded step {step}", flush=True)
+        say(f"rank {MPI.COMM_WORLD.Get_rank()} loaded step {step}")
 
 
 if __name__ == "__main__":

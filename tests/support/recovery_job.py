@@ -55,7 +55,9 @@ def digest(strategy) -> str:
 
 
 def say(line: str) -> None:
-    print(f"[world rank {MPI.COMM_WORLD.Get_rank()}] {line}", flush=True)
+    """Print ``line`` in one write, so that the lines of several ranks never run together."""
+    sys.stdout.write(f"[world rank {MPI.COMM_WORLD.Get_rank()}] {line}\n")
+    sys.stdout.flush()
 
 
 def patch(kill_rank: int, kill_step: int) -> None:
