@@ -36,9 +36,9 @@ def _collectives(nbytes: int, raw: MPI.Intracomm, size: int) -> List[Case]:
     return [
         ("allreduce", lambda g: lambda: dist.all_reduce(t, group=g),
          lambda: raw.Allreduce(MPI.IN_PLACE, a)),
-        ("allgather", lambda g: lambda: dist.all_gather_into_tensor(whole, mine, group=g),
+        ("allgather", lambda g: lambda: dist.all_gather_single(whole, mine, group=g),
          lambda: raw.Allgather(a_mine, a_whole)),
-        ("reduce_scatter", lambda g: lambda: dist.reduce_scatter_tensor(mine, whole, group=g),
+        ("reduce_scatter", lambda g: lambda: dist.reduce_scatter_single(mine, whole, group=g),
          lambda: raw.Reduce_scatter(a_whole, a_mine, counts)),
         ("broadcast", lambda g: lambda: dist.broadcast(t, 0, group=g),
          lambda: raw.Bcast(a, 0)),

@@ -34,6 +34,7 @@ from typing import ContextManager, Dict, List, Optional, Set, Tuple
 import numpy as np
 
 from . import capabilities, communicators, fault_tolerance, trace
+from .environment import read_once
 from .library import thread_level_name
 from .mpi import MPI
 
@@ -61,8 +62,12 @@ def enable(timeout: float) -> None:
 
 def timeout() -> Optional[float]:
     """The timeout in seconds, or ``None`` when the watchdog is off."""
-    if _timeout is not None:
-        return _timeout
+    return _timeout if _timeout is not None else _timeout_setting()
+
+
+@read_once
+def _timeout_setting() -> Optional[float]:
+    """``TIMEOUT_ENV`` in seconds; ``None`` when unset or 0 (read once: every collective asks)."""
     value = os.environ.get(TIMEOUT_ENV, "")
     return float(value) if value not in ("", "0") else None
 

@@ -158,8 +158,8 @@ def test_watchdog_below_thread_multiple_aborts_and_says_why(simulated_nodes):
 @pytest.mark.scale   # every rank asked at once
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.skipif(MPI.Query_thread() < MPI.THREAD_MULTIPLE, reason="needs MPI_THREAD_MULTIPLE")
-def test_watchdog_asks_every_rank_for_its_count(world, monkeypatch):
-    monkeypatch.setenv(watchdog.TIMEOUT_ENV, "60")
+def test_watchdog_asks_every_rank_for_its_count(world, setting):
+    setting(watchdog.TIMEOUT_ENV, "60")
     watched_comm = world.Dup()
     counter = watchdog.register(watched_comm, "test")
     size = world.Get_size()
