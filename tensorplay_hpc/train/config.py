@@ -20,7 +20,7 @@ DELTA_DTYPES = ("float32", "bfloat16", "float16")
 _STATE_SHAPE = ("layers", "width", "heads", "context", "inner")
 # Settings that change only what is printed or how fast: a resume may change them silently.
 _PRESENTATION = ("resume", "progress", "log_every", "threads", "collective_timeout", "trace",
-                 "recover", "min_ranks")
+                 "recover", "recover_every", "min_ranks")
 
 
 class UsageError(ValueError):
@@ -53,6 +53,7 @@ class TrainConfig:
     overlap_steps: int = 0
     node_local: bool = False
     recover: bool = False
+    recover_every: int = 1
     min_ranks: int = 1
     eval_every: int = 100
     eval_batches: int = 4
@@ -87,7 +88,8 @@ class TrainConfig:
             raise ValueError(f"--node-local needs --optimizer diloco, got --optimizer "
                              f"{self.optimizer}")
         for name in ("batch_size", "layers", "width", "heads", "context", "average_period",
-                     "eval_batches", "powersgd_rank", "sync_every", "fragments", "min_ranks"):
+                     "eval_batches", "powersgd_rank", "sync_every", "fragments", "min_ranks",
+                     "recover_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, "
                                  f"got {getattr(self, name)}")

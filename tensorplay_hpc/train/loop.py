@@ -305,7 +305,8 @@ class Run(comm.Closeable):
                     local_loss = self.train_step(self.history.step)
                     with trace.caller("loss and stop agreement"):
                         loss, stop = preemption.agree(local_loss, self.group.comm)
-                if self._rollback is not None:
+                if (self._rollback is not None
+                        and (self.history.step + 1) % config.recover_every == 0):
                     with trace.caller("rollback copies"):
                         self._rollback.commit(self.history.step + 1, self.strategy)
             except fault_tolerance.RankLost as lost:

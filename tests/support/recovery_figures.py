@@ -10,7 +10,8 @@ before; the wait in the batch queue not counted). Both under the ``openmpi5`` la
 
 ``--redundancy`` measures instead what ``--recover`` costs a 4-rank ``--optimizer zero`` job
 (the training job's default model, Adam) while nothing fails: its mean step time and the bytes
-each rank sends per step, with and without it, runs alternating.
+each rank sends per step, without it, with a commit every step and every 4 steps, runs
+alternating.
 
 The requeued job writes a checkpoint every 3 steps (in the background), resumes from the newest
 complete one and repeats the steps after it, as a requeued job does; the recovered one writes
@@ -64,13 +65,18 @@ def requeued(step: int, steps: int, folder: Path) -> float:
     return _time(again, "first step") - killed
 
 
-def step_cost(recover: bool, steps: int, folder: Path) -> tuple:
-    """The mean step time (s) and the median bytes rank 0 sends per step of a 4-rank ZeRO job
-    without failures, from its ``metrics.csv`` (the last row's tokens/s is the whole run's)."""
+REDUNDANCY = {"without": [], "every step": ["--recover"],
+              "every 4 steps": ["--recover", "--recover-every", "4"]}
+
+
+def step_cost(options: list, steps: int, folder: Path) -> tuple:
+    """The mean step time (s) and the mean bytes rank 0 sends per step of a 4-rank ZeRO job
+    with ``options``, without failures, from its ``metrics.csv`` (the last row's tokens/s is
+    the whole run's)."""
     args = ["-m", "tensorplay_hpc", "train", "--optimizer", "zero", "--inner", "adam",
             "--steps", str(steps), "--run-dir", str(folder), "--checkpoint-every", "0",
             "--eval-every", "0", "--eval-batches", "1", "--no-progress", "--log-every", "0",
-            "--threads", "1", *(["--recover"] if recover else [])]
+            "--threads", "1", *options]
     output = _run(args, ft=True)
     metrics = folder / "metrics.csv"
     if not metrics.exists():
@@ -78,24 +84,26 @@ def step_cost(recover: bool, steps: int, folder: Path) -> tuple:
     rows = [line.split(",") for line in metrics.read_text().splitlines()[1:]]
     defaults = TrainConfig()
     tokens_per_step = defaults.batch_size * defaults.context
-    return tokens_per_step / float(rows[-1][3]), statistics.median(int(r[4]) for r in rows)
+    return tokens_per_step / float(rows[-1][3]), statistics.mean(int(r[4]) for r in rows)
 
 
 def redundancy(repeats: int) -> None:
-    samples = {"without": [], "with": []}
+    samples = {case: [] for case in REDUNDANCY}
     for repeat in range(repeats):
-        for case in samples:
+        for case, options in REDUNDANCY.items():
             with tempfile.TemporaryDirectory(dir="/var/tmp") as folder:
-                samples[case].append(step_cost(case == "with", 40, Path(folder)))
-            print(f"{case} --recover {repeat}: {samples[case][-1][0] * 1e3:.1f} ms per step, "
+                samples[case].append(step_cost(options, 40, Path(folder)))
+            print(f"--recover {case} {repeat}: {samples[case][-1][0] * 1e3:.1f} ms per step, "
                   f"{samples[case][-1][1]:.0f} bytes per rank and step", flush=True)
     times = {case: [t for t, _ in values] for case, values in samples.items()}
-    ours, baseline = statistics.median(times["with"]), statistics.median(times["without"])
-    print(json.dumps({"bench": "recovery", "case": "zero step with and without --recover",
-                      "ranks": 4, "ours_s": ours, "baseline": "no --recover",
-                      "baseline_s": baseline, "cost": ours / baseline - 1,
-                      "bytes_per_rank_step": {c: v[0][1] for c, v in samples.items()},
-                      "samples": times, "at": time.strftime("%Y-%m-%d %H:%M")}))
+    baseline = statistics.median(times["without"])
+    for case in list(REDUNDANCY)[1:]:
+        ours = statistics.median(times[case])
+        print(json.dumps({"bench": "recovery", "case": f"zero step, --recover {case}",
+                          "ranks": 4, "ours_s": ours, "baseline": "no --recover",
+                          "baseline_s": baseline, "cost": ours / baseline - 1,
+                          "bytes_per_rank_step": {c: v[0][1] for c, v in samples.items()},
+                          "samples": times, "at": time.strftime("%Y-%m-%d %H:%M")}))
 
 
 def main() -> None:

@@ -1,8 +1,8 @@
 """``tensorplay-hpc train --recover`` (ULFM, Open MPI 5 launched with ``--with-ft ulfm``): rank 0
 of a 4-rank post-local SGD job (DistributedDataParallel, its hook and a model averager) is
 killed with SIGKILL in a chosen step; the survivors roll back to the
-newest step all of them committed, with their model and optimizer state bit for bit as it was
-then, and finish every step on 3 ranks. The same for rank 1 of a 3-rank ZeRO job, whose
+newest step all of them committed (every second step, ``--recover-every 2``), with their model
+and optimizer state bit for bit as it was then, and finish every step on 3 ranks. The same for rank 1 of a 3-rank ZeRO job, whose
 optimizer shard comes back from the copy on its partner (rank 2). Where recovery cannot work
 (PowerSGD's error feedback, each rank's own), every survivor says why and exits with status
 86. Both jobs run side by side, launched with the
@@ -24,11 +24,12 @@ TINY = ["--inner", "adam", "--batch-size", "12", "--layers", "1", "--width", "32
         "2", "--context", "32", "--eval-every", "0", "--eval-batches", "1",
         "--checkpoint-every", "0", "--no-progress", "--log-every", "0", "--threads", "1",
         "--recover"]
-CASES = {   # case: (ranks, rank killed, steps committed before, steps, options)
-    "postlocal": (4, 0, 5, 8, ["--optimizer", "postlocal", "--warmup-steps", "2",
-                               "--average-period", "2"]),
-    "zero": (3, 1, 2, 4, ["--optimizer", "zero"]),
-    "powersgd": (3, 1, 2, 4, ["--optimizer", "zero", "--comm-hook", "powersgd"]),
+CASES = {   # case: (ranks, rank killed, steps done before the kill, steps between commits,
+            #        steps, options)
+    "postlocal": (4, 0, 5, 2, 8, ["--optimizer", "postlocal", "--warmup-steps", "2",
+                                  "--average-period", "2"]),
+    "zero": (3, 1, 2, 1, 4, ["--optimizer", "zero"]),
+    "powersgd": (3, 1, 2, 1, 4, ["--optimizer", "zero", "--comm-hook", "powersgd"]),
 }
 RECOVERED = ("postlocal", "zero")
 
@@ -44,11 +45,12 @@ def _lines(output: str, what: str) -> dict:
 @pytest.mark.timeout(240)
 def test_a_killed_rank_is_survived_or_requeued(tmp_path):
     jobs = {}
-    for case, (ranks, killed, at, steps, options) in CASES.items():
+    for case, (ranks, killed, done, every, steps, options) in CASES.items():
         folder = tmp_path / case
         folder.mkdir()
         with open(folder / "out", "w") as out, open(folder / "err", "w") as err:
-            jobs[case] = ulfm_lane.start(ranks, [JOB, str(killed), str(at), *options, "--steps",
+            jobs[case] = ulfm_lane.start(ranks, [JOB, str(killed), str(done), *options,
+                                                 "--recover-every", str(every), "--steps",
                                                  str(steps), "--run-dir", str(folder / "run"),
                                                  *TINY], out, err)
     codes = {case: job.wait(timeout=220) for case, job in jobs.items()}
@@ -56,9 +58,9 @@ def test_a_killed_rank_is_survived_or_requeued(tmp_path):
                for case in CASES}
 
     for case in RECOVERED:
-        _recovered(tmp_path / case, outputs[case], codes[case], *CASES[case][:4])
+        _recovered(tmp_path / case, outputs[case], codes[case], *CASES[case][:5])
 
-    ranks, killed, _, _, _ = CASES["powersgd"]
+    ranks, killed = CASES["powersgd"][:2]
     output = outputs["powersgd"]
     assert codes["powersgd"] == EXIT_UNRECOVERABLE, output[-5000:]
     for rank in (r for r in range(ranks) if r != killed):
@@ -67,21 +69,24 @@ def test_a_killed_rank_is_survived_or_requeued(tmp_path):
                          rf"status {EXIT_UNRECOVERABLE}", output), output[-5000:]
 
 
-def _recovered(folder, output: str, code: int, ranks: int, killed: int, at: int,
+def _recovered(folder, output: str, code: int, ranks: int, killed: int, done: int, every: int,
                steps: int) -> None:
-    """The job of ``folder`` lost rank ``killed`` after it committed step ``at``, and went on
-    from there to the end."""
+    """The job of ``folder`` lost rank ``killed`` in its step ``done + 1``, committing every
+    ``every`` steps, and went on from the last commit to the end."""
     assert code == 0, output[-5000:]
     survivors = [r for r in range(ranks) if r != killed]
     committed, restored = _lines(output, "committed"), _lines(output, "restored")
     # No committed step is lost: every survivor rolls back to the step the killed rank last
     # committed, with the state it had then, bit for bit (a ZeRO job's whole optimizer state
     # is in rank 0's digest, its shards put together from the survivors and the copies).
-    assert max(s for r, s in committed if r == killed) == at
+    assert sorted(s for r, s in committed if r == killed) == list(range(0, done + 1, every))
+    at = done - done % every
     assert set(restored) == {(r, at) for r in survivors}, output[-5000:]
     for rank in survivors:
         assert restored[rank, at] == committed[rank, at]
-        assert committed[rank, at + 1] != committed[rank, at]   # the digest tells steps apart
+        later = min(s for r, s in committed if r == rank and s > at)
+        assert later == at + every
+        assert committed[rank, later] != committed[rank, at]   # the digest tells steps apart
     assert (f"--recover: world ranks [{killed}] lost; {ranks - 1} ranks go on from step {at}"
             in output)
     assert f"done: {steps} steps" in output
