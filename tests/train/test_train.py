@@ -110,6 +110,8 @@ def test_settings_are_checked():
         TrainConfig(comm_hook="int8")
     with pytest.raises(ValueError, match="--width must be at least 1"):
         TrainConfig(width=0)
+    with pytest.raises(ValueError, match="--recover-every must be at least 1, got 0"):
+        TrainConfig(recover=True, recover_every=0)
     with pytest.raises(ValueError, match="--width 32 is not a multiple of --heads 3"):
         TrainConfig(width=32, heads=3)
     for lr in (-0.1, 0.0, float("nan"), float("inf")):
