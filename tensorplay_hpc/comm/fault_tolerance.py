@@ -16,15 +16,17 @@ any other, but what was being written is not to be trusted (see docs/reliability
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from typing import ContextManager, Dict, Iterator, List, Sequence, Tuple
+from typing import ContextManager, Dict, Iterator, List, Sequence, Set, Tuple
 
 from .mpi import MPI
 
-__all__ = ["RankLost", "agree", "disable", "enable", "enabled", "forget", "is_process_failure",
-           "is_revoked", "lost_ranks", "register", "revoke_all", "shrink", "surfacing"]
+__all__ = ["RankLost", "agree", "disable", "enable", "enabled", "finalize_would_stall",
+           "forget", "is_process_failure", "is_revoked", "lost_ranks", "register", "revoke_all",
+           "shrink", "surfacing"]
 
 _enabled = False
 _communicators: Dict[int, MPI.Comm] = {}     # the library's communicators, by handle
+_shrunk_away: Set[int] = set()               # MPI.COMM_WORLD ranks that shrink() left out
 
 
 class RankLost(RuntimeError):
@@ -151,7 +153,15 @@ def shrink(comm: MPI.Intracomm) -> Tuple[MPI.Intracomm, List[int]]:
         before.Free()
         after.Free()
         world.Free()
+    _shrunk_away.update(lost)
     return survivors, lost
+
+
+def finalize_would_stall() -> bool:
+    """Whether this process has gone on without lost ranks (:func:`shrink`): then
+    ``MPI_Finalize`` can wait for them forever (Open MPI 5 does when they were on another
+    node), so the survivors end without it (``os._exit``) once their work is done. Local."""
+    return bool(_shrunk_away)
 
 
 def agree(comm: MPI.Intracomm, ok: bool) -> bool:

@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
         watchdog.enable(config.collective_timeout)
     from .loop import train
     try:
-        return train(config, world, preemption).exit_code
+        status = train(config, world, preemption).exit_code
     except UsageError as error:  # raised on every rank alike
         return _usage_error(error, world)
     except (Unrecoverable, fault_tolerance.RankLost) as error:   # on every survivor
@@ -155,10 +155,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"tensorplay-hpc train: world rank {world.Get_rank()}: {why}; exiting with "
               f"status {EXIT_UNRECOVERABLE} to be requeued from the last checkpoint",
               file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        # At once: with a rank lost, MPI_Finalize and the interpreter's teardown of objects
-        # holding revoked communicators (and operations that will never complete) can stall.
-        os._exit(EXIT_UNRECOVERABLE)
+        _exit_without_finalize(EXIT_UNRECOVERABLE)
+    if fault_tolerance.finalize_would_stall():   # the run went on without lost ranks
+        _exit_without_finalize(status)
+    return status
+
+
+def _exit_without_finalize(status: int) -> None:
+    """End the process at once with ``status``. With a rank lost, MPI_Finalize and the
+    interpreter's teardown of objects holding revoked communicators (and operations that will
+    never complete) can stall."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _usage_error(error: Exception, world) -> int:

@@ -13,7 +13,7 @@ from tensorplay_hpc import checkpoint, comm
 from tensorplay_hpc.comm import capabilities, fault_tolerance, trace
 from tensorplay_hpc.comm.mpi import MPI
 from tensorplay_hpc.comm.node_layout import NodeLayout
-from tensorplay_hpc.comm.small_collectives import all_gather_object
+from tensorplay_hpc.comm.small_collectives import all_gather_object, barrier
 
 from . import strategy as strategies
 from .config import TrainConfig, UsageError
@@ -128,12 +128,16 @@ class Run(comm.Closeable):
 
     def close(self) -> None:
         """Free the communicators of the model, the optimizer and the run (after the
-        background checkpoint, if one is being written). Collective."""
+        background checkpoint, if one is being written). Collective. After a recovery, the
+        survivors leave together: they end without ``MPI_Finalize``
+        (:func:`~tensorplay_hpc.comm.fault_tolerance.finalize_would_stall`)."""
         if self._checkpointer is not None:
             self._checkpointer.close()
         if self._rollback is not None:
             self._rollback.close()
         self.strategy.close()
+        if self.history.recoveries:
+            barrier(self.group.comm)
         self.group.close()
 
     # -- pieces -----------------------------------------------------------------------------

@@ -1,18 +1,19 @@
-"""``tensorplay-hpc train`` in which one rank dies: ``recovery_job.py RANK STEP TRAIN-OPTIONS``.
+"""``tensorplay-hpc train`` in which ranks die: ``recovery_job.py RANKS STEP TRAIN-OPTIONS``.
 
-World rank RANK kills itself with SIGKILL in step STEP + 1 (after committing step STEP), as a
-crashed node would end it. Every rank prints ``committed S DIGEST`` after each step it commits,
+Each world rank of RANKS (one, or several joined by commas: a whole node) kills itself with
+SIGKILL in step STEP + 1 (after committing step STEP), as a crash would end it. Every rank prints ``committed S DIGEST`` after each step it commits,
 and ``restored S DIGEST`` once recovery has put back the state of step S, where DIGEST is a
 SHA-256 of its model and optimizer state (every tensor's bytes). The kill prints
 ``killing at T`` with the time (``time.time()``), the first step of the process
 ``first step at T`` and the first step after recovery ``first step after recovery at T``.
-RANK -1 kills no rank.
+RANKS -1 kills no rank.
 """
 import hashlib
 import os
 import signal
 import sys
 import time
+from typing import List
 
 import torch
 
@@ -60,14 +61,14 @@ def say(line: str) -> None:
     sys.stdout.flush()
 
 
-def patch(kill_rank: int, kill_step: int) -> None:
-    """Kill ``kill_rank`` in its step ``kill_step + 1`` and report commits and restores."""
+def patch(kill_ranks: List[int], kill_step: int) -> None:
+    """Kill ``kill_ranks`` in their step ``kill_step + 1`` and report commits and restores."""
     step, commit = loop.Run.train_step, recovery.Rollback.commit
     restore = recovery.Rollback.restore
     recovered, started = [], []
 
     def stepping(run, number):
-        if number == kill_step and MPI.COMM_WORLD.Get_rank() == kill_rank:
+        if number == kill_step and MPI.COMM_WORLD.Get_rank() in kill_ranks:
             say(f"killing at {time.time():.6f}")
             os.kill(os.getpid(), signal.SIGKILL)
         loss = step(run, number)
@@ -93,5 +94,5 @@ def patch(kill_rank: int, kill_step: int) -> None:
 
 
 if __name__ == "__main__":
-    patch(int(sys.argv[1]), int(sys.argv[2]))
+    patch([int(rank) for rank in sys.argv[1].split(",")], int(sys.argv[2]))
     sys.exit(main(["train", *sys.argv[3:]]))

@@ -4,7 +4,8 @@ import subprocess
 from typing import List, Optional
 
 import lanes
-from launch import REPO, clean_env
+from launch import REPO, clean_env, mpiexec_prefix
+from simulated_nodes import SimulatedNodes
 
 LANE = "openmpi5"
 LANE_ENV = REPO / f".venv-{LANE}"
@@ -22,13 +23,18 @@ def missing() -> Optional[str]:
     return None
 
 
-def command(ranks: int, args: List[str]) -> List[str]:
-    """``mpiexec --with-ft ulfm -n RANKS python ARGS`` of the Open MPI 5 lane."""
+def command(ranks: int, args: List[str], nodes: Optional[SimulatedNodes] = None) -> List[str]:
+    """``mpiexec --with-ft ulfm -n RANKS python ARGS`` of the Open MPI 5 lane, on this node or
+    over the simulated ``nodes`` (the tests run in that lane then)."""
+    if nodes is not None:
+        return [*mpiexec_prefix(nodes), "--with-ft", "ulfm", "-n", str(ranks), "python", *args]
     launch = 'source scripts/env.sh && exec "${MPIEXEC[@]}" --with-ft ulfm "$@"'
     return ["bash", "-c", launch, "ulfm", "-n", str(ranks), "python", *args]
 
 
-def start(ranks: int, args: List[str], out, err) -> subprocess.Popen:
-    """Start the job in a session of its own, its output to the files ``out`` and ``err``."""
-    return subprocess.Popen(command(ranks, args), env=clean_env(TENSORPLAY_MPI=LANE), cwd=REPO,
-                            stdout=out, stderr=err, start_new_session=True)
+def start(ranks: int, args: List[str], out, err,
+          nodes: Optional[SimulatedNodes] = None) -> subprocess.Popen:
+    """Start the job (over ``nodes`` when given) in a session of its own, its output to the
+    files ``out`` and ``err``."""
+    return subprocess.Popen(command(ranks, args, nodes), env=clean_env(TENSORPLAY_MPI=LANE),
+                            cwd=REPO, stdout=out, stderr=err, start_new_session=True)

@@ -1,13 +1,16 @@
 """``tensorplay-hpc train --recover`` (ULFM, Open MPI 5 launched with ``--with-ft ulfm``): rank 0
 of a 4-rank post-local SGD job (DistributedDataParallel, its hook and a model averager) is
-killed with SIGKILL in a chosen step; the survivors roll back to the
-newest step all of them committed (every second step, ``--recover-every 2``), with their model
-and optimizer state bit for bit as it was then, and finish every step on 3 ranks. The same for rank 1 of a 3-rank ZeRO job, whose
-optimizer shard comes back from the copy on its partner (rank 2). Where recovery cannot work
-(PowerSGD's error feedback, each rank's own), every survivor says why and exits with status
-86. Both jobs run side by side, launched with the
-``openmpi5`` lane's mpiexec from the 1-rank pass of whichever lane runs the tests."""
+killed with SIGKILL in a chosen step; the survivors roll back to the newest step all of them
+committed (every second step, ``--recover-every 2``), with their model and optimizer state bit
+for bit as it was then, and finish every step on 3 ranks. The same for rank 1 of a 3-rank ZeRO
+job, whose optimizer shard comes back from the copy on its partner (rank 2), and for a whole
+simulated node of a 4-rank ZeRO job. Where recovery cannot work (PowerSGD's error feedback,
+each rank's own), every survivor says why and exits with status 86. The jobs on one node run
+side by side. All are launched with the ``openmpi5`` lane's mpiexec from the 1-rank pass of
+whichever lane runs the tests."""
 import re
+import subprocess
+from typing import List
 
 import pytest
 import torch
@@ -24,12 +27,12 @@ TINY = ["--inner", "adam", "--batch-size", "12", "--layers", "1", "--width", "32
         "2", "--context", "32", "--eval-every", "0", "--eval-batches", "1",
         "--checkpoint-every", "0", "--no-progress", "--log-every", "0", "--threads", "1",
         "--recover"]
-CASES = {   # case: (ranks, rank killed, steps done before the kill, steps between commits,
+CASES = {   # case: (ranks, ranks killed, steps done before the kill, steps between commits,
             #        steps, options)
-    "postlocal": (4, 0, 5, 2, 8, ["--optimizer", "postlocal", "--warmup-steps", "2",
-                                  "--average-period", "2"]),
-    "zero": (3, 1, 2, 1, 4, ["--optimizer", "zero"]),
-    "powersgd": (3, 1, 2, 1, 4, ["--optimizer", "zero", "--comm-hook", "powersgd"]),
+    "postlocal": (4, [0], 5, 2, 8, ["--optimizer", "postlocal", "--warmup-steps", "2",
+                                    "--average-period", "2"]),
+    "zero": (3, [1], 2, 1, 4, ["--optimizer", "zero"]),
+    "powersgd": (3, [1], 2, 1, 4, ["--optimizer", "zero", "--comm-hook", "powersgd"]),
 }
 RECOVERED = ("postlocal", "zero")
 
@@ -40,27 +43,32 @@ def _lines(output: str, what: str) -> dict:
             re.findall(rf"^\[world rank (\d+)\] {what} (\d+) (\w+)$", output, re.M)}
 
 
+def _start(folder, ranks: int, killed: List[int], done: int, every: int, steps: int,
+           options: List[str], nodes=None) -> subprocess.Popen:
+    """The recovery job in ``folder`` (its output in the files ``out`` and ``err`` there)."""
+    folder.mkdir(exist_ok=True)
+    with open(folder / "out", "w") as out, open(folder / "err", "w") as err:
+        return ulfm_lane.start(ranks, [JOB, ",".join(map(str, killed)), str(done), *options,
+                                       "--recover-every", str(every), "--steps", str(steps),
+                                       "--run-dir", str(folder / "run"), *TINY], out, err, nodes)
+
+
+def _output(folder) -> str:
+    return (folder / "out").read_text() + (folder / "err").read_text()
+
+
 @only_in_single_rank_run
 @pytest.mark.skipif(ulfm_lane.missing() is not None, reason=str(ulfm_lane.missing()))
 @pytest.mark.timeout(240)
 def test_a_killed_rank_is_survived_or_requeued(tmp_path):
-    jobs = {}
-    for case, (ranks, killed, done, every, steps, options) in CASES.items():
-        folder = tmp_path / case
-        folder.mkdir()
-        with open(folder / "out", "w") as out, open(folder / "err", "w") as err:
-            jobs[case] = ulfm_lane.start(ranks, [JOB, str(killed), str(done), *options,
-                                                 "--recover-every", str(every), "--steps",
-                                                 str(steps), "--run-dir", str(folder / "run"),
-                                                 *TINY], out, err)
+    jobs = {case: _start(tmp_path / case, *settings) for case, settings in CASES.items()}
     codes = {case: job.wait(timeout=220) for case, job in jobs.items()}
-    outputs = {case: (tmp_path / case / "out").read_text() + (tmp_path / case / "err").read_text()
-               for case in CASES}
+    outputs = {case: _output(tmp_path / case) for case in CASES}
 
     for case in RECOVERED:
         _recovered(tmp_path / case, outputs[case], codes[case], *CASES[case][:5])
 
-    ranks, killed = CASES["powersgd"][:2]
+    ranks, (killed,) = CASES["powersgd"][:2]
     output = outputs["powersgd"]
     assert codes["powersgd"] == EXIT_UNRECOVERABLE, output[-5000:]
     for rank in (r for r in range(ranks) if r != killed):
@@ -69,17 +77,31 @@ def test_a_killed_rank_is_survived_or_requeued(tmp_path):
                          rf"status {EXIT_UNRECOVERABLE}", output), output[-5000:]
 
 
-def _recovered(folder, output: str, code: int, ranks: int, killed: int, done: int, every: int,
-               steps: int) -> None:
-    """The job of ``folder`` lost rank ``killed`` in its step ``done + 1``, committing every
-    ``every`` steps, and went on from the last commit to the end."""
+@only_in_single_rank_run
+@pytest.mark.skipif(ulfm_lane.missing() is not None, reason=str(ulfm_lane.missing()))
+@pytest.mark.timeout(180)
+def test_a_lost_node_is_survived(simulated_nodes, tmp_path):
+    """Both ranks of the second of 2 simulated nodes killed in one step of a 4-rank ZeRO job:
+    their shards come back from the copies on the first node (their partners, world ranks 0
+    and 1), and the 2 survivors finish the run (and end without MPI_Finalize, which would
+    wait for the lost node)."""
+    settings = (4, [2, 3], 2, 1, 4, ["--optimizer", "zero"])
+    code = _start(tmp_path, *settings, nodes=simulated_nodes).wait(timeout=150)
+    _recovered(tmp_path, _output(tmp_path), code, *settings[:5])
+
+
+def _recovered(folder, output: str, code: int, ranks: int, killed: List[int], done: int,
+               every: int, steps: int) -> None:
+    """The job of ``folder`` lost the ranks ``killed`` in their step ``done + 1``, committing
+    every ``every`` steps, and went on from the last commit to the end."""
     assert code == 0, output[-5000:]
-    survivors = [r for r in range(ranks) if r != killed]
+    survivors = [r for r in range(ranks) if r not in killed]
     committed, restored = _lines(output, "committed"), _lines(output, "restored")
-    # No committed step is lost: every survivor rolls back to the step the killed rank last
+    # No committed step is lost: every survivor rolls back to the step the killed ranks last
     # committed, with the state it had then, bit for bit (a ZeRO job's whole optimizer state
     # is in rank 0's digest, its shards put together from the survivors and the copies).
-    assert sorted(s for r, s in committed if r == killed) == list(range(0, done + 1, every))
+    for rank in killed:
+        assert sorted(s for r, s in committed if r == rank) == list(range(0, done + 1, every))
     at = done - done % every
     assert set(restored) == {(r, at) for r in survivors}, output[-5000:]
     for rank in survivors:
@@ -87,7 +109,7 @@ def _recovered(folder, output: str, code: int, ranks: int, killed: int, done: in
         later = min(s for r, s in committed if r == rank and s > at)
         assert later == at + every
         assert committed[rank, later] != committed[rank, at]   # the digest tells steps apart
-    assert (f"--recover: world ranks [{killed}] lost; {ranks - 1} ranks go on from step {at}"
+    assert (f"--recover: world ranks {killed} lost; {len(survivors)} ranks go on from step {at}"
             in output)
     assert f"done: {steps} steps" in output
     metrics = (folder / "run" / "metrics.csv").read_text().splitlines()
