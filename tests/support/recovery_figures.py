@@ -5,8 +5,11 @@ before; the wait in the batch queue not counted). Both under the ``openmpi5`` la
 ``recovery_job.py``'s model; the median of ``--repeats`` runs of each.
 
     TENSORPLAY_MPI=openmpi5 source scripts/env.sh
-    python tests/support/recovery_figures.py [--repeats 3] [--step 9]
+    python tests/support/recovery_figures.py [--repeats 3] [--step 9] [--nodes]
     python tests/support/recovery_figures.py --redundancy [--repeats 3]
+
+``--nodes`` (as root) runs the jobs over 2 simulated nodes of 2 ranks and kills the second
+node's two ranks instead of one rank.
 
 ``--redundancy`` measures instead what ``--recover`` costs a 4-rank ``--optimizer zero`` job
 (the training job's default model, Adam) while nothing fails: its mean step time and the bytes
@@ -25,10 +28,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
+from typing import Optional
 
 import ulfm_lane
 from launch import REPO, SUPPORT, clean_env
+from simulated_nodes import SimulatedNodes
 from tensorplay_hpc.train.config import TrainConfig
 
 JOB = str(SUPPORT / "recovery_job.py")
@@ -37,10 +43,8 @@ MODEL = ["--optimizer", "ddp", "--inner", "adam", "--batch-size", "12", "--layer
          "--eval-batches", "1", "--no-progress", "--log-every", "0", "--threads", "1"]
 
 
-def _run(args, ft: bool) -> str:
-    command = ulfm_lane.command(4, args)
-    if not ft:
-        command[2] = command[2].replace(" --with-ft ulfm", "")
+def _run(args, ft: bool, nodes: Optional[SimulatedNodes] = None) -> str:
+    command = ulfm_lane.command(4, args, nodes, ft)
     done = subprocess.run(command, env=clean_env(TENSORPLAY_MPI=ulfm_lane.LANE), cwd=REPO,
                           capture_output=True, text=True, timeout=600)
     return done.stdout + done.stderr
@@ -50,16 +54,21 @@ def _time(output: str, what: str) -> float:
     return min(float(t) for t in re.findall(rf"{what} at ([0-9.]+)", output))
 
 
-def recovered(step: int, steps: int, folder: Path) -> float:
-    output = _run([JOB, "2", str(step), "--steps", str(steps), "--run-dir", str(folder),
-                   "--checkpoint-every", "0", "--recover", *MODEL], ft=True)
+def _killed(nodes: Optional[SimulatedNodes]) -> str:
+    """The ranks to kill: world rank 2, or the second node's (2 and 3) over ``nodes``."""
+    return "2" if nodes is None else "2,3"
+
+
+def recovered(step: int, steps: int, folder: Path, nodes: Optional[SimulatedNodes]) -> float:
+    output = _run([JOB, _killed(nodes), str(step), "--steps", str(steps), "--run-dir",
+                   str(folder), "--checkpoint-every", "0", "--recover", *MODEL], True, nodes)
     return _time(output, "first step after recovery") - _time(output, "killing")
 
 
-def requeued(step: int, steps: int, folder: Path) -> float:
+def requeued(step: int, steps: int, folder: Path, nodes: Optional[SimulatedNodes]) -> float:
     common = ["--steps", str(steps), "--run-dir", str(folder), "--checkpoint-every", "3", *MODEL]
-    killed = _time(_run([JOB, "2", str(step), *common], ft=False), "killing")
-    again = _run([JOB, "-1", "0", "--resume", *common], ft=False)
+    killed = _time(_run([JOB, _killed(nodes), str(step), *common], False, nodes), "killing")
+    again = _run([JOB, "-1", "0", "--resume", *common], False, nodes)
     if "resumed from" not in again:
         raise RuntimeError(f"the second run did not resume:\n{again[-3000:]}")
     return _time(again, "first step") - killed
@@ -112,19 +121,24 @@ def main() -> None:
     parser.add_argument("--step", type=int, default=9)
     parser.add_argument("--redundancy", action="store_true",
                         help="measure the cost of --recover without failures instead")
+    parser.add_argument("--nodes", action="store_true",
+                        help="over 2 simulated nodes, killing the second node's ranks")
     options = parser.parse_args()
     if ulfm_lane.missing():
         sys.exit(ulfm_lane.missing())
     if options.redundancy:
         return redundancy(options.repeats)
-    times = {"recover": [], "requeue": []}
-    for repeat in range(options.repeats):
-        for case, measure in (("recover", recovered), ("requeue", requeued)):
-            with tempfile.TemporaryDirectory(dir="/var/tmp") as folder:
-                times[case].append(measure(options.step, options.step + 3, Path(folder)))
-            print(f"{case} {repeat}: {times[case][-1]:.2f} s", flush=True)
+    with SimulatedNodes(nodes=2, slots=2) if options.nodes else nullcontext() as nodes:
+        times = {"recover": [], "requeue": []}
+        for repeat in range(options.repeats):
+            for case, measure in (("recover", recovered), ("requeue", requeued)):
+                with tempfile.TemporaryDirectory(dir="/var/tmp") as folder:
+                    times[case].append(measure(options.step, options.step + 3, Path(folder),
+                                               nodes))
+                print(f"{case} {repeat}: {times[case][-1]:.2f} s", flush=True)
     ours, baseline = statistics.median(times["recover"]), statistics.median(times["requeue"])
-    print(json.dumps({"bench": "recovery", "case": "kill one of 4 ranks to the next step",
+    lost = "one of 4 ranks" if nodes is None else "one of 2 simulated nodes of 2 ranks"
+    print(json.dumps({"bench": "recovery", "case": f"kill {lost} to the next step",
                       "ranks": 4, "ours_s": ours, "baseline": "requeue + HDF5 reload",
                       "baseline_s": baseline, "speedup": baseline / ours,
                       "samples": times, "at": time.strftime("%Y-%m-%d %H:%M")}))

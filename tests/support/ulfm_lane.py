@@ -23,13 +23,16 @@ def missing() -> Optional[str]:
     return None
 
 
-def command(ranks: int, args: List[str], nodes: Optional[SimulatedNodes] = None) -> List[str]:
-    """``mpiexec --with-ft ulfm -n RANKS python ARGS`` of the Open MPI 5 lane, on this node or
-    over the simulated ``nodes`` (the tests run in that lane then)."""
+def command(ranks: int, args: List[str], nodes: Optional[SimulatedNodes] = None,
+            ft: bool = True) -> List[str]:
+    """``mpiexec --with-ft ulfm -n RANKS python ARGS`` of the Open MPI 5 lane (without
+    ``--with-ft ulfm`` when not ``ft``), on this node or over the simulated ``nodes`` (the
+    tests run in that lane then)."""
+    flags = ["--with-ft", "ulfm"] if ft else []
     if nodes is not None:
-        return [*mpiexec_prefix(nodes), "--with-ft", "ulfm", "-n", str(ranks), "python", *args]
-    launch = 'source scripts/env.sh && exec "${MPIEXEC[@]}" --with-ft ulfm "$@"'
-    return ["bash", "-c", launch, "ulfm", "-n", str(ranks), "python", *args]
+        return [*mpiexec_prefix(nodes), *flags, "-n", str(ranks), "python", *args]
+    launch = 'source scripts/env.sh && exec "${MPIEXEC[@]}" "$@"'
+    return ["bash", "-c", launch, "ulfm", *flags, "-n", str(ranks), "python", *args]
 
 
 def start(ranks: int, args: List[str], out, err,
