@@ -84,10 +84,24 @@ def test_a_lost_node_is_survived(simulated_nodes, tmp_path):
     """Both ranks of the second of 2 simulated nodes killed in one step of a 4-rank ZeRO job:
     their shards come back from the copies on the first node (their partners, world ranks 0
     and 1), and the 2 survivors finish the run (and end without MPI_Finalize, which would
-    wait for the lost node)."""
+    wait for the lost node). Their final checkpoint resumes on 3 ranks of one node with the
+    same state, bit for bit."""
     settings = (4, [2, 3], 2, 1, 4, ["--optimizer", "zero"])
     code = _start(tmp_path, *settings, nodes=simulated_nodes).wait(timeout=150)
-    _recovered(tmp_path, _output(tmp_path), code, *settings[:5])
+    output = _output(tmp_path)
+    _recovered(tmp_path, output, code, *settings[:5])
+
+    again = tmp_path / "resumed"
+    again.mkdir()
+    with open(again / "out", "w") as out, open(again / "err", "w") as err:
+        code = ulfm_lane.start(3, [JOB, "-1", "0", "--optimizer", "zero", "--steps", "5",
+                                   "--resume", "--run-dir", str(tmp_path / "run"), *TINY],
+                               out, err).wait(timeout=120)
+    resumed = _output(again)
+    assert code == 0, resumed[-5000:]
+    assert re.search(r"resumed from \S+step-0000004\.h5 at step 4", resumed), resumed[-5000:]
+    assert _lines(resumed, "committed")[0, 4] == _lines(output, "committed")[0, 4]
+    assert "done: 5 steps" in resumed
 
 
 def _recovered(folder, output: str, code: int, ranks: int, killed: List[int], done: int,
