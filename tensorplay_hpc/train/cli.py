@@ -150,8 +150,9 @@ def run(args: argparse.Namespace) -> int:
         return _usage_error(error, world)
     except (Unrecoverable, fault_tolerance.RankLost) as error:   # on every survivor
         why = (error if isinstance(error, Unrecoverable) else
-               f"--recover: a rank was lost outside a training step (a validation, a "
-               f"checkpoint), where the survivors do not go on: {error}")
+               f"--recover: a rank was lost outside a training step and its validation (in a "
+               f"checkpoint, the setup or the end of the run), where the survivors do not go "
+               f"on: {error}")
         print(f"tensorplay-hpc train: world rank {world.Get_rank()}: {why}; exiting with "
               f"status {EXIT_UNRECOVERABLE} to be requeued from the last checkpoint",
               file=sys.stderr, flush=True)

@@ -313,22 +313,22 @@ class Run(comm.Closeable):
                         and (self.history.step + 1) % config.recover_every == 0):
                     with trace.caller("rollback copies"):
                         self._rollback.commit(self.history.step + 1, self.strategy)
-            except fault_tolerance.RankLost as lost:
+                seconds += time.perf_counter() - started
+                steps_here += 1
+                speed = steps_here * self.tokens_per_step / seconds
+                self.history.losses.append(loss)
+                self.history.bytes_communicated.append(trace.bytes_communicated() - sent)
+                self.history.tokens_per_second.append(speed)
+                done = self.history.step
+                validation = None
+                if (config.eval_every and done % config.eval_every == 0) or done == config.steps:
+                    validation = self.history.validation[done] = self._validate()
+                if self._logged(done, validation is not None or stop):
+                    self.history.cross_node_bytes[done] = crossed_before + crossed.total()
+            except fault_tolerance.RankLost as lost:   # in the step, the commit or the metrics
                 progress = self._recover(lost, progress)
                 crossed = CrossNodeBytes(self.world)
                 continue
-            seconds += time.perf_counter() - started
-            steps_here += 1
-            speed = steps_here * self.tokens_per_step / seconds
-            self.history.losses.append(loss)
-            self.history.bytes_communicated.append(trace.bytes_communicated() - sent)
-            self.history.tokens_per_second.append(speed)
-            done = self.history.step
-            validation = None
-            if (config.eval_every and done % config.eval_every == 0) or done == config.steps:
-                validation = self.history.validation[done] = self._validate()
-            if self._logged(done, validation is not None or stop):
-                self.history.cross_node_bytes[done] = crossed_before + crossed.total()
             progress.step(loss, speed, validation)
             self._finish_save(progress, if_done=True)
             if stop:

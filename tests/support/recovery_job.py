@@ -1,8 +1,9 @@
 """``tensorplay-hpc train`` in which ranks die: ``recovery_job.py RANKS STEP TRAIN-OPTIONS``.
 
 Each world rank of RANKS (one, or several joined by commas: a whole node) kills itself with
-SIGKILL in step STEP + 1 (after committing step STEP), as a crash would end it. Every rank prints ``committed S DIGEST`` after each step it commits,
-and ``restored S DIGEST`` once recovery has put back the state of step S, where DIGEST is a
+SIGKILL in step STEP + 1 (after committing step STEP), as a crash would end it; with STEP given
+as ``N/validation``, in the validation after step N instead. Every rank prints
+``committed S DIGEST`` after each step it commits, and ``restored S DIGEST`` once recovery has put back the state of step S, where DIGEST is a
 SHA-256 of its model and optimizer state (every tensor's bytes). The kill prints
 ``killing at T`` with the time (``time.time()``), the first step of the process
 ``first step at T`` and the first step after recovery ``first step after recovery at T``.
@@ -61,16 +62,24 @@ def say(line: str) -> None:
     sys.stdout.flush()
 
 
-def patch(kill_ranks: List[int], kill_step: int) -> None:
-    """Kill ``kill_ranks`` in their step ``kill_step + 1`` and report commits and restores."""
+def patch(kill_ranks: List[int], kill_step: int, during: str) -> None:
+    """Kill ``kill_ranks`` in their step ``kill_step + 1`` (``during`` is ``"step"``) or in the
+    validation after step ``kill_step`` (``"validation"``), and report commits and restores."""
     step, commit = loop.Run.train_step, recovery.Rollback.commit
-    restore = recovery.Rollback.restore
+    restore, validate = recovery.Rollback.restore, loop.Run._validate
     recovered, started = [], []
 
-    def stepping(run, number):
-        if number == kill_step and MPI.COMM_WORLD.Get_rank() in kill_ranks:
+    def kill_at(number: int, now: str) -> None:
+        if (number, now) == (kill_step, during) and MPI.COMM_WORLD.Get_rank() in kill_ranks:
             say(f"killing at {time.time():.6f}")
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def validating(run):
+        kill_at(run.history.step, "validation")
+        return validate(run)
+
+    def stepping(run, number):
+        kill_at(number, "step")
         loss = step(run, number)
         if not started:
             say(f"first step at {time.time():.6f}")
@@ -89,10 +98,11 @@ def patch(kill_ranks: List[int], kill_step: int) -> None:
         say(f"restored {number} {digest(strategy)}")
         recovered.append(number)
 
-    loop.Run.train_step, recovery.Rollback.commit = stepping, committing
-    recovery.Rollback.restore = restoring
+    loop.Run.train_step, loop.Run._validate = stepping, validating
+    recovery.Rollback.commit, recovery.Rollback.restore = committing, restoring
 
 
 if __name__ == "__main__":
-    patch([int(rank) for rank in sys.argv[1].split(",")], int(sys.argv[2]))
+    at, _, during = sys.argv[2].partition("/")
+    patch([int(rank) for rank in sys.argv[1].split(",")], int(at), during or "step")
     sys.exit(main(["train", *sys.argv[3:]]))

@@ -3,10 +3,10 @@ of a 4-rank post-local SGD job (DistributedDataParallel, its hook and a model av
 killed with SIGKILL in a chosen step; the survivors roll back to the newest step all of them
 committed (every second step, ``--recover-every 2``), with their model and optimizer state bit
 for bit as it was then, and finish every step on 3 ranks. The same for rank 1 of a 3-rank ZeRO
-job, whose optimizer shard comes back from the copy on its partner (rank 2), and for a whole
-simulated node of a 4-rank ZeRO job. Where recovery cannot work (PowerSGD's error feedback,
-each rank's own), every survivor says why and exits with status 86. The jobs on one node run
-side by side. All are launched with the ``openmpi5`` lane's mpiexec from the 1-rank pass of
+job, killed in a validation, whose optimizer shard comes back from the copy on its partner
+(rank 2), and for a whole simulated node of a 4-rank ZeRO job. Where recovery cannot work
+(PowerSGD's error feedback, each rank's own), every survivor says why and exits with status 86.
+The jobs on one node run side by side. All are launched with the ``openmpi5`` lane's mpiexec from the 1-rank pass of
 whichever lane runs the tests."""
 import re
 import subprocess
@@ -28,11 +28,11 @@ TINY = ["--inner", "adam", "--batch-size", "12", "--layers", "1", "--width", "32
         "--checkpoint-every", "0", "--no-progress", "--log-every", "0", "--threads", "1",
         "--recover"]
 CASES = {   # case: (ranks, ranks killed, steps done before the kill, steps between commits,
-            #        steps, options)
+            #        steps, options, killed in)
     "postlocal": (4, [0], 5, 2, 8, ["--optimizer", "postlocal", "--warmup-steps", "2",
-                                    "--average-period", "2"]),
-    "zero": (3, [1], 2, 1, 4, ["--optimizer", "zero"]),
-    "powersgd": (3, [1], 2, 1, 4, ["--optimizer", "zero", "--comm-hook", "powersgd"]),
+                                    "--average-period", "2"], "step"),
+    "zero": (3, [1], 2, 1, 4, ["--optimizer", "zero", "--eval-every", "2"], "validation"),
+    "powersgd": (3, [1], 2, 1, 4, ["--optimizer", "zero", "--comm-hook", "powersgd"], "step"),
 }
 RECOVERED = ("postlocal", "zero")
 
@@ -44,13 +44,14 @@ def _lines(output: str, what: str) -> dict:
 
 
 def _start(folder, ranks: int, killed: List[int], done: int, every: int, steps: int,
-           options: List[str], nodes=None) -> subprocess.Popen:
+           options: List[str], during: str, nodes=None) -> subprocess.Popen:
     """The recovery job in ``folder`` (its output in the files ``out`` and ``err`` there)."""
     folder.mkdir(exist_ok=True)
     with open(folder / "out", "w") as out, open(folder / "err", "w") as err:
-        return ulfm_lane.start(ranks, [JOB, ",".join(map(str, killed)), str(done), *options,
+        return ulfm_lane.start(ranks, [JOB, ",".join(map(str, killed)), f"{done}/{during}",
                                        "--recover-every", str(every), "--steps", str(steps),
-                                       "--run-dir", str(folder / "run"), *TINY], out, err, nodes)
+                                       "--run-dir", str(folder / "run"), *TINY, *options],
+                               out, err, nodes)
 
 
 def _output(folder) -> str:
@@ -86,7 +87,7 @@ def test_a_lost_node_is_survived(simulated_nodes, tmp_path):
     and 1), and the 2 survivors finish the run (and end without MPI_Finalize, which would
     wait for the lost node). Their final checkpoint resumes on 3 ranks of one node with the
     same state, bit for bit."""
-    settings = (4, [2, 3], 2, 1, 4, ["--optimizer", "zero"])
+    settings = (4, [2, 3], 2, 1, 4, ["--optimizer", "zero"], "step")
     code = _start(tmp_path, *settings, nodes=simulated_nodes).wait(timeout=150)
     output = _output(tmp_path)
     _recovered(tmp_path, output, code, *settings[:5])
