@@ -2,12 +2,12 @@
 
 Each world rank of RANKS (one, or several joined by commas: a whole node) kills itself with
 SIGKILL in step STEP + 1 (after committing step STEP), as a crash would end it; with STEP given
-as ``N/validation``, in the validation after step N instead. Every rank prints
-``committed S DIGEST`` after each step it commits, and ``restored S DIGEST`` once recovery has put back the state of step S, where DIGEST is a
-SHA-256 of its model and optimizer state (every tensor's bytes). The kill prints
-``killing at T`` with the time (``time.time()``), the first step of the process
-``first step at T`` and the first step after recovery ``first step after recovery at T``.
-RANKS -1 kills no rank.
+as ``N/validation``, in the validation after step N instead. Every rank prints ``committed S
+DIGEST`` after each step it commits, and ``restored S DIGEST`` once recovery has put back the
+state of step S, where DIGEST is a SHA-256 of its model and optimizer state (every tensor's
+bytes). The kill prints ``killing at T`` with the time (``time.time()``), the first step of the
+process ``first step at T`` and the first step after recovery ``first step after recovery at
+T``. RANKS -1 kills no rank.
 """
 import hashlib
 import os

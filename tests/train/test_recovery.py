@@ -3,11 +3,11 @@ of a 4-rank post-local SGD job (DistributedDataParallel, its hook and a model av
 killed with SIGKILL in a chosen step; the survivors roll back to the newest step all of them
 committed (every second step, ``--recover-every 2``), with their model and optimizer state bit
 for bit as it was then, and finish every step on 3 ranks. The same for rank 1 of a 3-rank ZeRO
-job, killed in a validation, whose optimizer shard comes back from the copy on its partner
-(rank 2), and for a whole simulated node of a 4-rank ZeRO job. Where recovery cannot work
-(PowerSGD's error feedback, each rank's own), every survivor says why and exits with status 86.
-The jobs on one node run side by side. All are launched with the ``openmpi5`` lane's mpiexec from the 1-rank pass of
-whichever lane runs the tests."""
+job, killed in a validation, whose optimizer shard comes back from the copy on its partner (rank
+2), and for a whole simulated node of a 4-rank ZeRO job. Where recovery cannot work (PowerSGD's
+error feedback, each rank's own), every survivor says why and exits with status 86. The jobs on
+one node run side by side. All are launched with the ``openmpi5`` lane's mpiexec from the 1-rank
+pass of whichever lane runs the tests."""
 import re
 import subprocess
 from typing import List
