@@ -180,22 +180,29 @@ class Rollback:
         raise Unrecoverable(f"world rank {MPI.COMM_WORLD.Get_rank()} does not hold step {step} "
                             f"(it holds steps {[c.step for c in self.kept]})")
 
+    @property
+    def sharded(self) -> List[int]:
+        """The steps kept here as this rank's shard only (not yet reassembled). Local."""
+        return [c.step for c in self.kept if isinstance(c.optimizer, Shards)]
+
     def reassemble(self, step: int, lost: List[int], survivors: MPI.Intracomm) -> None:
         """Replace the shards kept for ``step`` by the whole optimizer state of that step: each
         survivor's own shard and its copies of lost ranks' shards, gathered. Collective over
-        ``survivors``; a no-op for a replicated optimizer."""
+        ``survivors`` (a rank that holds the whole state already, from a recovery cut short by
+        another lost rank, takes part and adds nothing)."""
         committed = self.at(step)
-        if not isinstance(committed.optimizer, Shards):
-            return
-        parts = shard_from_bytes(committed.optimizer.owned)
-        for rank in lost:
-            if self.copies is not None and rank in self.copies.backed:
-                parts.update(shard_from_bytes(self.copies.held(rank, step)))
+        parts: Dict[int, Dict[Any, Any]] = {}
+        if isinstance(committed.optimizer, Shards):
+            parts = shard_from_bytes(committed.optimizer.owned)
+            for rank in lost:
+                if self.copies is not None and rank in self.copies.backed:
+                    parts.update(shard_from_bytes(self.copies.held(rank, step)))
         state: Dict[int, Dict[Any, Any]] = {}
         for gathered in all_gather_object(parts, survivors):
             state.update(gathered)
-        committed.optimizer = {"state": dict(sorted(state.items())),
-                               "param_groups": committed.optimizer.param_groups}
+        if isinstance(committed.optimizer, Shards):
+            committed.optimizer = {"state": dict(sorted(state.items())),
+                                   "param_groups": committed.optimizer.param_groups}
 
     def restore(self, step: int, strategy: Strategy) -> None:
         """Load the state kept for ``step`` into ``strategy``'s model and optimizer (copies:
@@ -213,21 +220,28 @@ def survive(world: MPI.Intracomm, rollback: Rollback) -> Tuple[MPI.Intracomm, Li
     over the survivors of ``world``, who must all have seen
     :class:`~tensorplay_hpc.comm.fault_tolerance.RankLost`.
 
+    A rank lost while the survivors recover makes them shrink ``world`` again, without it.
+
     Raises:
         Unrecoverable: on every survivor, when a lost rank's shard and its copy were both lost,
             or no step is held whole by every survivor.
     """
     fault_tolerance.revoke_all(also=[world])
-    survivors, lost = fault_tolerance.shrink(world)
-    partners = rollback.copies.partners if rollback.copies is not None else {}
-    for rank in lost:
-        if partners.get(rank) in lost:
-            raise Unrecoverable(f"world rank {rank}'s shard and its copy on world rank "
-                                f"{partners[rank]} were both lost")
-    common = set.intersection(*(set(steps) for steps in
-                                all_gather_object(rollback.supplies(lost), survivors)))
-    if not common:
-        raise Unrecoverable("no committed step is held whole by every survivor")
-    step = max(common)
-    rollback.reassemble(step, lost, survivors)
-    return survivors, lost, step
+    while True:
+        survivors, lost = fault_tolerance.shrink(world)
+        partners = rollback.copies.partners if rollback.copies is not None else {}
+        for rank in lost:
+            if partners.get(rank) in lost:
+                raise Unrecoverable(f"world rank {rank}'s shard and its copy on world rank "
+                                    f"{partners[rank]} were both lost")
+        try:
+            held = all_gather_object((rollback.supplies(lost), rollback.sharded), survivors)
+            common = set.intersection(*(set(steps) for steps, _ in held))
+            if not common:
+                raise Unrecoverable("no committed step is held whole by every survivor")
+            step = max(common)
+            if any(step in sharded for _, sharded in held):
+                rollback.reassemble(step, lost, survivors)
+            return survivors, lost, step
+        except fault_tolerance.RankLost:   # one more: the shrunk communicator is revoked
+            continue

@@ -2,7 +2,9 @@
 
 Each world rank of RANKS (one, or several joined by commas: a whole node) kills itself with
 SIGKILL in step STEP + 1 (after committing step STEP), as a crash would end it; with STEP given
-as ``N/validation``, in the validation after step N instead. Every rank prints ``committed S
+as ``N/validation``, in the validation after step N instead. RANKS ``A>B`` kills A so, and B
+when the survivors have shrunk their communicator the first time (in the recovery). Every rank
+prints ``committed S
 DIGEST`` after each step it commits, and ``restored S DIGEST`` once recovery has put back the
 state of step S, where DIGEST is a SHA-256 of its model and optimizer state (every tensor's
 bytes). The kill prints ``killing at T`` with the time (``time.time()``), the first step of the
@@ -19,6 +21,7 @@ from typing import List
 import torch
 
 from tensorplay_hpc.__main__ import main
+from tensorplay_hpc.comm import fault_tolerance
 from tensorplay_hpc.comm.mpi import MPI
 from tensorplay_hpc.distributed.optim import ZeroRedundancyOptimizer
 from tensorplay_hpc.train import loop, recovery
@@ -62,12 +65,21 @@ def say(line: str) -> None:
     sys.stdout.flush()
 
 
-def patch(kill_ranks: List[int], kill_step: int, during: str) -> None:
+def patch(kill_ranks: List[int], kill_step: int, during: str, in_recovery: List[int]) -> None:
     """Kill ``kill_ranks`` in their step ``kill_step + 1`` (``during`` is ``"step"``) or in the
-    validation after step ``kill_step`` (``"validation"``), and report commits and restores."""
+    validation after step ``kill_step`` (``"validation"``), and ``in_recovery`` after the
+    survivors' first shrink; report commits and restores."""
     step, commit = loop.Run.train_step, recovery.Rollback.commit
     restore, validate = recovery.Rollback.restore, loop.Run._validate
+    shrink = fault_tolerance.shrink
     recovered, started = [], []
+
+    def shrinking(comm):
+        shrunk = shrink(comm)
+        if MPI.COMM_WORLD.Get_rank() in in_recovery:
+            say(f"killing in the recovery at {time.time():.6f}")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return shrunk
 
     def kill_at(number: int, now: str) -> None:
         if (number, now) == (kill_step, during) and MPI.COMM_WORLD.Get_rank() in kill_ranks:
@@ -100,9 +112,15 @@ def patch(kill_ranks: List[int], kill_step: int, during: str) -> None:
 
     loop.Run.train_step, loop.Run._validate = stepping, validating
     recovery.Rollback.commit, recovery.Rollback.restore = committing, restoring
+    fault_tolerance.shrink = shrinking
+
+
+def ranks(listed: str) -> List[int]:
+    return [int(rank) for rank in listed.split(",") if rank]
 
 
 if __name__ == "__main__":
+    first, _, later = sys.argv[1].partition(">")
     at, _, during = sys.argv[2].partition("/")
-    patch([int(rank) for rank in sys.argv[1].split(",")], int(at), during or "step")
+    patch(ranks(first), int(at), during or "step", ranks(later))
     sys.exit(main(["train", *sys.argv[3:]]))

@@ -44,11 +44,13 @@ def _lines(output: str, what: str) -> dict:
 
 
 def _start(folder, ranks: int, killed: List[int], done: int, every: int, steps: int,
-           options: List[str], during: str, nodes=None) -> subprocess.Popen:
-    """The recovery job in ``folder`` (its output in the files ``out`` and ``err`` there)."""
+           options: List[str], during: str, nodes=None, then: List[int] = ()) -> subprocess.Popen:
+    """The recovery job in ``folder`` (its output in the files ``out`` and ``err`` there);
+    ``then``: ranks killed in the recovery from the first loss."""
     folder.mkdir(exist_ok=True)
+    spec = ",".join(map(str, killed)) + (">" + ",".join(map(str, then)) if then else "")
     with open(folder / "out", "w") as out, open(folder / "err", "w") as err:
-        return ulfm_lane.start(ranks, [JOB, ",".join(map(str, killed)), f"{done}/{during}",
+        return ulfm_lane.start(ranks, [JOB, spec, f"{done}/{during}",
                                        "--recover-every", str(every), "--steps", str(steps),
                                        "--run-dir", str(folder / "run"), *TINY, *options],
                                out, err, nodes)
@@ -103,6 +105,18 @@ def test_a_lost_node_is_survived(simulated_nodes, tmp_path):
     assert re.search(r"resumed from \S+step-0000004\.h5 at step 4", resumed), resumed[-5000:]
     assert _lines(resumed, "committed")[0, 4] == _lines(output, "committed")[0, 4]
     assert "done: 5 steps" in resumed
+
+
+@only_in_single_rank_run
+@pytest.mark.skipif(ulfm_lane.missing() is not None, reason=str(ulfm_lane.missing()))
+@pytest.mark.timeout(120)
+def test_a_rank_lost_during_the_recovery_is_survived(tmp_path):
+    """World rank 3 of a 4-rank ZeRO job killed in a step, then rank 1 once the survivors have
+    shrunk their communicator: they shrink again and go on with 2 ranks, the shards of ranks 1
+    and 3 back from their partners' copies (ranks 2 and 0)."""
+    settings = (4, [3], 2, 1, 4, ["--optimizer", "zero"], "step")
+    code = _start(tmp_path, *settings, then=[1]).wait(timeout=100)
+    _recovered(tmp_path, _output(tmp_path), code, 4, [1, 3], *settings[2:5])
 
 
 def _recovered(folder, output: str, code: int, ranks: int, killed: List[int], done: int,
