@@ -4,10 +4,11 @@ killed with SIGKILL in a chosen step; the survivors roll back to the newest step
 committed (every second step, ``--recover-every 2``), with their model and optimizer state bit
 for bit as it was then, and finish every step on 3 ranks. The same for rank 1 of a 3-rank ZeRO
 job, killed in a validation, whose optimizer shard comes back from the copy on its partner (rank
-2), and for a whole simulated node of a 4-rank ZeRO job. Where recovery cannot work (PowerSGD's
-error feedback, each rank's own), every survivor says why and exits with status 86. The jobs on
-one node run side by side. All are launched with the ``openmpi5`` lane's mpiexec from the 1-rank
-pass of whichever lane runs the tests."""
+2), for a whole simulated node of a 4-rank ZeRO job, and for a second rank lost during the
+recovery. Where recovery cannot work (PowerSGD's error feedback, each rank's own; a rank and its
+partner lost together), every survivor says why and exits with status 86. The first three jobs
+run side by side. All are launched with the ``openmpi5`` lane's mpiexec from the 1-rank pass of
+whichever lane runs the tests."""
 import re
 import subprocess
 from typing import List
@@ -117,6 +118,21 @@ def test_a_rank_lost_during_the_recovery_is_survived(tmp_path):
     settings = (4, [3], 2, 1, 4, ["--optimizer", "zero"], "step")
     code = _start(tmp_path, *settings, then=[1]).wait(timeout=100)
     _recovered(tmp_path, _output(tmp_path), code, 4, [1, 3], *settings[2:5])
+
+
+@only_in_single_rank_run
+@pytest.mark.skipif(ulfm_lane.missing() is not None, reason=str(ulfm_lane.missing()))
+@pytest.mark.timeout(120)
+def test_a_rank_and_its_partner_lost_together_end_the_job(tmp_path):
+    """World ranks 1 and 2 of a 4-rank ZeRO job on one node killed in one step: rank 2 holds
+    rank 1's copy, so that shard is gone; both survivors say so and exit with status 86."""
+    code = _start(tmp_path, 4, [1, 2], 2, 1, 4, ["--optimizer", "zero"], "step").wait(timeout=100)
+    output = _output(tmp_path)
+    assert code == EXIT_UNRECOVERABLE, output[-5000:]
+    for rank in (0, 3):
+        assert (f"world rank {rank}: --recover: cannot go on after losing ranks: world rank 1's "
+                f"shard and its copy on world rank 2 were both lost; exiting with status "
+                f"{EXIT_UNRECOVERABLE}") in output, output[-5000:]
 
 
 def _recovered(folder, output: str, code: int, ranks: int, killed: List[int], done: int,
