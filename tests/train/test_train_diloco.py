@@ -31,6 +31,7 @@ def _model(path: Path, replica: str) -> dict:
 
 @pytest.mark.scale
 @pytest.mark.resume_smoke
+@pytest.mark.timeout(300)   # four runs; at 8 ranks over 4 nodes of this 2-core machine 64-114 s
 @pytest.mark.parametrize("settings", [
     dict(sync_every=4, fragments=2, overlap_steps=1),   # fragment 0's sync of step 4 in flight
     # a replica per node (one here, two over simulated nodes)
