@@ -136,7 +136,7 @@ class Run(comm.Closeable):
         if self._rollback is not None:
             self._rollback.close()
         self.strategy.close()
-        if self.history.recoveries:
+        if fault_tolerance.finalize_would_stall():
             barrier(self.group.comm)
         self.group.close()
 
