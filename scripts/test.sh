@@ -78,7 +78,7 @@ if [ "$nodes" = yes ] && [ "$(id -u)" -eq 0 ]; then
     fi
     if [ "$lane" = system ]; then
         # The tests marked `scale` depend on the rank count or the node layout: again at 8 ranks
-        # over 4 nodes (the training job at 16 ranks runs in the 1-rank pass).
+        # over 4 nodes.
         echo "=== $lane: tests marked scale under mpiexec -n 8 over 4 simulated nodes of 2 ranks ==="
         scale=0
         timeout 1200 python tests/support/simulated_nodes.py --nodes 4 --slots 2 --mpiexec -- \
