@@ -15,13 +15,14 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from tensorplay_hpc import checkpoint
+from tensorplay_hpc import checkpoint, comm
 from tensorplay_hpc.train.config import TrainConfig
 from tensorplay_hpc.train.data import VALIDATION_EVERY, Corpus, batch_for_rank, stdlib_files
 from tensorplay_hpc.train.data import VOCAB_SIZE
 from tensorplay_hpc.train.history import History
 from tensorplay_hpc.train.model import CharTransformer
 from tensorplay_hpc.train.loop import EXIT_PREEMPTED, Run, threads_per_rank, train
+from tensorplay_hpc.train.mesh import hybrid_shape
 from tensorplay_hpc.train.config import UsageError
 from tensorplay_hpc.train.run_folder import CheckpointsDoNotFit, RunFolderInUse
 from tensorplay_hpc.train.preemption import Preemption
@@ -156,6 +157,22 @@ def test_signal_checkpoint_and_resume_reproduce_an_uninterrupted_run(shared_dir,
     assert losses(parts) == expected
     assert restarts(parts) == [4, 5]
     assert rest.loss == whole.loss
+
+
+@pytest.mark.scale
+def test_hsdp_replicates_across_nodes_and_shards_within_one():
+    """The mesh of ``--optimizer hsdp`` at this world size and node layout: a replica per node
+    whenever the ranks span several, so only the replicate dimension's traffic crosses nodes."""
+    layout = comm.NodeLayout(WORLD)
+    rows, line = hybrid_shape(layout)
+    if len(layout.nodes) > 1:
+        assert rows == tuple(tuple(node) for node in layout.nodes)
+        assert line == (f"hsdp: {len(layout.nodes)} replicas (one per node) of "
+                        f"{WORLD.size // len(layout.nodes)} shards")
+    else:
+        shards = {1: 1, 2: 2, 4: 2, 8: 4, 16: 4}[WORLD.size]
+        assert rows == tuple(tuple(range(r, r + shards)) for r in range(0, WORLD.size, shards))
+    assert sorted(rank for row in rows for rank in row) == list(range(WORLD.size))
 
 
 @pytest.mark.parametrize("optimizer, hook", [
