@@ -1,6 +1,7 @@
 """Communication layer: allreduce, allgather and broadcast bus bandwidth against a raw mpi4py
-call on one numpy array of the same bytes (the limit) and torch.distributed over gloo; and many
-small tensors through one flat buffer against one call per tensor."""
+call on one numpy array of the same bytes (the limit) and torch.distributed over gloo; many
+small tensors through one flat buffer against one call per tensor; and several nonblocking
+allreduces in flight at once, as DDP's buckets, against the same blocking calls."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,10 +14,11 @@ from tensorplay_hpc.bench.report import Report
 from tensorplay_hpc.bench.timing import compare
 from tensorplay_hpc.comm.mpi import MPI
 
-__all__ = ["SIZES", "SMALL_TENSORS", "bus_factor", "run"]
+__all__ = ["IN_FLIGHT", "SIZES", "SMALL_TENSORS", "bus_factor", "run"]
 
 SIZES = (2**20, 2**24, 2**27)   # 1 MiB, 16 MiB, 128 MiB
 SMALL_TENSORS = 1000
+IN_FLIGHT = 5   # nonblocking allreduces of 1 MiB started before the first is waited for
 
 
 def bus_factor(case: str, ranks: int) -> float:
@@ -77,5 +79,12 @@ def run(report: Report) -> None:
                              report.repeat)
     report.add("comm", f"allreduce {SMALL_TENSORS} small tensors", flat_s, "one call per tensor",
                each_s, nbytes=nbytes)
+
+    buckets = [torch.ones(2**18) for _ in range(IN_FLIGHT)]
+    in_flight_s, blocking_s = compare(
+        [lambda: [w.wait() for w in [comm.all_reduce(b, c, async_op=True) for b in buckets]],
+         lambda: [comm.all_reduce(b, c) for b in buckets]], report.repeat)
+    report.add("comm", f"allreduce {IN_FLIGHT} x 1 MiB nonblocking, in flight at once",
+               in_flight_s, "blocking, one after another", blocking_s, nbytes=IN_FLIGHT * 2**20)
     raw.Free()
     group.close()
