@@ -1,6 +1,9 @@
 """Recovery from a lost rank in the comm layer (ULFM): what says whether it works, the typed
 error, and a 3-rank job under Open MPI 5 with fault tolerance on in which one rank dies."""
+import os
 import re
+import signal
+import time
 
 import pytest
 from mpi4py import MPI
@@ -50,3 +53,34 @@ def test_survivors_see_rank_lost_and_shrink(tmp_path):
         assert f"[{rank}] shrunk to 2 without [2]" in output
         assert f"[{rank}] sum 1" in output
     assert "no failure seen" not in output
+
+
+@only_in_single_rank_run
+@pytest.mark.skipif(ulfm_lane.missing() is not None, reason=str(ulfm_lane.missing()))
+@pytest.mark.timeout(120)
+def test_a_hung_rank_is_found_by_the_heartbeat(tmp_path):
+    """The last rank stops (SIGSTOP), alive but silent: with the heartbeat on, suspecting a rank
+    after 2 s of silence (from its last heartbeat, up to a period of 0.5 s before the stop), the
+    survivors see ``RankLost`` 1.5 to 10 s after it stopped, then shrink. The
+    stopped process stays until it is killed, as a hung node's would: the test kills the job
+    once the survivors are done."""
+    out_path = tmp_path / "out"
+    with open(out_path, "w") as out, open(tmp_path / "err", "w") as err:
+        job = ulfm_lane.start(3, [str(SUPPORT / "rank_lost_job.py"), "hang"], out, err,
+                              heartbeat=True)
+        try:
+            deadline = time.monotonic() + 100
+            while out_path.read_text().count(" sum ") < 2 and time.monotonic() < deadline \
+                    and job.poll() is None:
+                time.sleep(0.2)
+        finally:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    output = out_path.read_text()
+    stopped = float(re.search(r"^\[2\] leaving at (\S+)", output, re.M).group(1))
+    for rank in (0, 1):
+        lost = re.search(rf"^\[{rank}\] lost (\[2\]|\[\]) in \S+ at (\S+)", output, re.M)
+        assert lost, output + (tmp_path / "err").read_text()
+        assert 1.5 <= float(lost.group(2)) - stopped < 10.0, output
+        assert f"[{rank}] shrunk to 2 without [2]" in output
+        assert f"[{rank}] sum 1" in output

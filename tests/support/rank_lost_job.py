@@ -1,9 +1,13 @@
 """A lost rank seen through the comm layer with recovery on (3 ranks or more, launched with
-ULFM): the last rank dies with SIGKILL after one allreduce; every survivor must see
-``RankLost`` in its next collective, shrink to the survivors and allreduce again. Each survivor
-prints ``lost RANKS in OPERATION``, ``shrunk to SIZE without LOST`` and ``sum SUM``."""
+ULFM): the last rank dies with SIGKILL after one allreduce (with the argument ``hang``, it
+stops with SIGSTOP instead, alive but silent, for ULFM's heartbeat to find); every survivor
+must see ``RankLost`` in its next collective, shrink to the survivors and allreduce again. The
+last rank prints ``leaving at T``; each survivor prints ``lost RANKS in OPERATION at T``,
+``shrunk to SIZE without LOST`` and ``sum SUM`` (T: ``time.time()``)."""
 import os
 import signal
+import sys
+import time
 
 import torch
 
@@ -18,13 +22,15 @@ group = comm.ProcessGroup(world, owner="the rank-lost job")
 value = torch.ones(4)
 comm.all_reduce(value, group.comm)
 if rank == last:
-    os.kill(os.getpid(), signal.SIGKILL)
+    print(f"[{rank}] leaving at {time.time():.6f}", flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP if sys.argv[1:] == ["hang"] else signal.SIGKILL)
 try:
     for _ in range(100):    # until the failure reaches this rank
         comm.all_reduce(value, group.comm)
     print(f"[{rank}] no failure seen", flush=True)
 except fault_tolerance.RankLost as lost:
-    print(f"[{rank}] lost {list(lost.ranks)} in {lost.operation}", flush=True)
+    print(f"[{rank}] lost {list(lost.ranks)} in {lost.operation} at {time.time():.6f}",
+          flush=True)
 survivors, gone = fault_tolerance.shrink(world)
 print(f"[{rank}] shrunk to {survivors.Get_size()} without {gone}", flush=True)
 total = torch.tensor([float(rank)])

@@ -9,6 +9,9 @@ from simulated_nodes import SimulatedNodes
 
 LANE = "openmpi5"
 LANE_ENV = REPO / f".venv-{LANE}"
+HEARTBEAT = ["--mca", "mpi_ft_detector", "true", "--mca", "mpi_ft_detector_period", "0.5",
+             "--mca", "mpi_ft_detector_timeout", "2"]
+"""ULFM's heartbeat on (it is off by default), suspecting a rank silent for 2 s."""
 
 
 def missing() -> Optional[str]:
@@ -24,20 +27,20 @@ def missing() -> Optional[str]:
 
 
 def command(ranks: int, args: List[str], nodes: Optional[SimulatedNodes] = None,
-            ft: bool = True) -> List[str]:
+            ft: bool = True, heartbeat: bool = False) -> List[str]:
     """``mpiexec --with-ft ulfm -n RANKS python ARGS`` of the Open MPI 5 lane (without
-    ``--with-ft ulfm`` when not ``ft``), on this node or over the simulated ``nodes`` (the
-    tests run in that lane then)."""
-    flags = ["--with-ft", "ulfm"] if ft else []
+    ``--with-ft ulfm`` when not ``ft``; with :data:`HEARTBEAT` when ``heartbeat``), on this
+    node or over the simulated ``nodes`` (the tests run in that lane then)."""
+    flags = (["--with-ft", "ulfm"] if ft else []) + (HEARTBEAT if heartbeat else [])
     if nodes is not None:
         return [*mpiexec_prefix(nodes), *flags, "-n", str(ranks), "python", *args]
     launch = 'source scripts/env.sh && exec "${MPIEXEC[@]}" "$@"'
     return ["bash", "-c", launch, "ulfm", *flags, "-n", str(ranks), "python", *args]
 
 
-def start(ranks: int, args: List[str], out, err,
-          nodes: Optional[SimulatedNodes] = None) -> subprocess.Popen:
+def start(ranks: int, args: List[str], out, err, nodes: Optional[SimulatedNodes] = None,
+          heartbeat: bool = False) -> subprocess.Popen:
     """Start the job (over ``nodes`` when given) in a session of its own, its output to the
     files ``out`` and ``err``."""
-    return subprocess.Popen(command(ranks, args, nodes), env=clean_env(TENSORPLAY_MPI=LANE),
+    return subprocess.Popen(command(ranks, args, nodes, heartbeat=heartbeat), env=clean_env(TENSORPLAY_MPI=LANE),
                             cwd=REPO, stdout=out, stderr=err, start_new_session=True)
