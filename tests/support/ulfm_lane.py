@@ -42,5 +42,6 @@ def start(ranks: int, args: List[str], out, err, nodes: Optional[SimulatedNodes]
           heartbeat: bool = False) -> subprocess.Popen:
     """Start the job (over ``nodes`` when given) in a session of its own, its output to the
     files ``out`` and ``err``."""
-    return subprocess.Popen(command(ranks, args, nodes, heartbeat=heartbeat), env=clean_env(TENSORPLAY_MPI=LANE),
-                            cwd=REPO, stdout=out, stderr=err, start_new_session=True)
+    return subprocess.Popen(command(ranks, args, nodes, heartbeat=heartbeat),
+                            env=clean_env(TENSORPLAY_MPI=LANE), cwd=REPO, stdout=out, stderr=err,
+                            start_new_session=True)
