@@ -135,6 +135,7 @@ def test_settings_are_checked():
 
 @pytest.mark.scale
 @pytest.mark.resume_smoke
+@pytest.mark.timeout(300)   # four runs; hsdp at 8 ranks over 4 nodes of 2 cores: 86 s to over 120
 @pytest.mark.parametrize("optimizer", ["zero", "postlocal", "ddp", "local", "fsdp", "hsdp"])
 def test_signal_checkpoint_and_resume_reproduce_an_uninterrupted_run(shared_dir, optimizer):
     whole = train_here(tiny(shared_dir / "whole", optimizer=optimizer, steps=6))
