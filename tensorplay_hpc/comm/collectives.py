@@ -2,19 +2,22 @@
 
 Every function here is collective: each rank of ``comm`` must call it, in the same order, with
 matching sizes. Each takes ``async_op``: ``False`` completes the operation before returning,
-``True`` returns a :class:`~tensorplay_hpc.comm.work.Work` to ``wait()`` on. Messages longer than
+``True`` returns a :class:`~tensorplay_hpc.comm.work.Work` to ``wait()`` on: the blocking call
+queued to the communicator's :mod:`.worker` thread, or MPI's nonblocking calls where threads
+cannot call MPI (errors in the arguments are then raised by ``wait()``). Messages longer than
 the chunk limit (:mod:`.chunking`) are split into several MPI calls; results are the same.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+import functools
+from typing import Callable, List, Optional, Sequence, TypeVar
 
 import numpy as np
 import torch
 from .mpi import MPI
 from torch._utils import _unflatten_dense_tensors
 
-from . import trace
+from . import trace, worker
 from .chunking import chunk_elements, chunks, piece_elements
 from .consistency import check_collective, debug_enabled
 from .dtypes import ReduceOp, half_sum_op, is_half, reduce_dtype, reduce_op
@@ -27,6 +30,27 @@ from .work import Work, complete
 __all__ = ["all_gather", "all_gather_v", "all_reduce", "all_reduce_coalesced", "all_to_all_v",
            "broadcast", "broadcast_coalesced", "gather", "reduce", "reduce_scatter",
            "scatter"]
+
+
+C = TypeVar("C", bound=Callable)
+
+
+def _queueable(collective: C) -> C:
+    """``collective`` (which takes ``async_op`` by keyword), queued as a blocking call to its
+    communicator's worker when started with ``async_op=True`` and :func:`.worker.in_thread`.
+    The caller's CUDA streams are synchronized first: the worker's are not the caller's."""
+    @functools.wraps(collective)
+    def call(*args, async_op: bool = False, **kwargs):
+        if not (async_op and worker.in_thread()):
+            return collective(*args, async_op=async_op, **kwargs)
+        values = (*args, *kwargs.values())
+        for value in values:
+            for tensor in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
+                    torch.cuda.current_stream(tensor.device).synchronize()
+        comm = next(v for v in values if isinstance(v, MPI.Comm))
+        return Work.queued(worker.submit(comm, functools.partial(collective, *args, **kwargs)))
+    return call  # type: ignore[return-value]
 
 
 def _displacements(counts: Sequence[int]) -> List[int]:
@@ -57,6 +81,7 @@ def _check_counts(counts: Sequence[int], comm: MPI.Intracomm, total: int, what: 
     return counts
 
 
+@_queueable
 def all_reduce(tensor: torch.Tensor, comm: MPI.Intracomm, op: ReduceOp = ReduceOp.SUM,
                async_op: bool = False, in_dtype: bool = False) -> Optional[Work]:
     """Reduce ``tensor`` across the group, in place, leaving the result on every rank.
@@ -104,6 +129,7 @@ def all_reduce(tensor: torch.Tensor, comm: MPI.Intracomm, op: ReduceOp = ReduceO
                     record=record)
 
 
+@_queueable
 def reduce(tensor: torch.Tensor, comm: MPI.Intracomm, root: int,
            op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Optional[Work]:
     """Reduce ``tensor`` across the group into ``tensor`` on rank ``root``, in place; the other
@@ -137,6 +163,7 @@ def reduce(tensor: torch.Tensor, comm: MPI.Intracomm, root: int,
                     record=record)
 
 
+@_queueable
 def broadcast(tensor: torch.Tensor, comm: MPI.Intracomm, root: int = 0,
               async_op: bool = False) -> Optional[Work]:
     """Copy ``tensor`` from rank ``root`` into ``tensor`` on every other rank."""
@@ -165,6 +192,7 @@ def broadcast(tensor: torch.Tensor, comm: MPI.Intracomm, root: int = 0,
                     record=record)
 
 
+@_queueable
 def all_gather_v(output: torch.Tensor, counts: Sequence[int], comm: MPI.Intracomm,
                  input: Optional[torch.Tensor] = None, async_op: bool = False) -> Optional[Work]:
     """Concatenate every rank's part into ``output`` (flattened), in rank order.
@@ -210,6 +238,7 @@ def all_gather_v(output: torch.Tensor, counts: Sequence[int], comm: MPI.Intracom
                     record=record)
 
 
+@_queueable
 def all_gather(output: torch.Tensor, input: torch.Tensor, comm: MPI.Intracomm,
                async_op: bool = False) -> Optional[Work]:
     """Concatenate equal-sized ``input`` tensors from every rank into ``output``, in rank order."""
@@ -222,10 +251,10 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, comm: MPI.Intracomm,
                          f"{size} x {count} (rank {comm.Get_rank()})")
     dtype = input.dtype
     if total > chunk_elements() or dtype != output.dtype:
-        return all_gather_v(output, [count] * size, comm, input, async_op)
+        return all_gather_v(output, [count] * size, comm, input, async_op=async_op)
     if input.data_ptr() == output.data_ptr() + comm.Get_rank() * input.nbytes and count:
         # ``input`` is this rank's part of ``output`` (FSDP2 gathers so): MPI wants IN_PLACE
-        return all_gather_v(output, [count] * size, comm, None, async_op)
+        return all_gather_v(output, [count] * size, comm, None, async_op=async_op)
     datatype = None if async_op else direct_datatype(input)
     if datatype is not None and output.is_cpu and output.is_contiguous():  # the common case
         send, recv = None, None
@@ -248,6 +277,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, comm: MPI.Intracomm,
                     comm=comm, record=record)
 
 
+@_queueable
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, comm: MPI.Intracomm,
                    counts: Optional[Sequence[int]] = None, op: ReduceOp = ReduceOp.SUM,
                    async_op: bool = False) -> Optional[Work]:
@@ -340,6 +370,7 @@ def gather(input: torch.Tensor, comm: MPI.Intracomm, root: int = 0,
     return recv.finish() if recv else None
 
 
+@_queueable
 def all_reduce_coalesced(tensors: Sequence[torch.Tensor], comm: MPI.Intracomm,
                          op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Optional[Work]:
     """:func:`all_reduce` of many tensors, in place.
@@ -416,6 +447,7 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], comm: MPI.Intracomm, ro
         flat.copy_to([tensors[i] for i in indices])
 
 
+@_queueable
 def all_to_all_v(output: torch.Tensor, input: torch.Tensor, comm: MPI.Intracomm,
                  output_counts: Optional[Sequence[int]] = None,
                  input_counts: Optional[Sequence[int]] = None,
@@ -465,6 +497,7 @@ def all_to_all_v(output: torch.Tensor, input: torch.Tensor, comm: MPI.Intracomm,
                     comm=comm, record=record)
 
 
+@_queueable
 def scatter(output: torch.Tensor, input: Optional[torch.Tensor], comm: MPI.Intracomm,
             root: int = 0, async_op: bool = False) -> Optional[Work]:
     """Send part ``r`` of ``input`` (flattened, on rank ``root`` only) into ``output`` on rank

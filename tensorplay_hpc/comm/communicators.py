@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from . import fault_tolerance, trace, watchdog
+from . import fault_tolerance, trace, watchdog, worker
 from .mpi import MPI
 
 __all__ = ["allocate_window", "close_file", "create_group", "duplicate", "free", "free_window",
@@ -61,7 +61,9 @@ def shrink(comm: MPI.Intracomm) -> MPI.Intracomm:
 
 
 def free(comm: MPI.Comm) -> None:
-    """Free a communicator made by a function here (``Free``)."""
+    """Free a communicator made by a function here (``Free``), after the calls queued to
+    its worker have run."""
+    worker.stop(comm)
     fault_tolerance.forget(comm)
     with _watched("Free", comm):
         comm.Free()

@@ -33,7 +33,7 @@ from typing import ContextManager, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
-from . import capabilities, communicators, fault_tolerance, trace
+from . import capabilities, communicators, fault_tolerance, trace, worker
 from .environment import read_once
 from .library import thread_level_name
 from .mpi import MPI
@@ -290,7 +290,9 @@ def watched(operation: str, comm: MPI.Intracomm,
     itself, so that an unwatched collective pays for one context only. The first collective
     watched starts the watchdog's thread, even before any process group exists.
     ``counted=False``: not every rank of ``comm`` takes part (``Create_group``), so the call is
-    not counted, and only aborted on time."""
+    not counted, and only aborted on time. Waits first for the calls queued to ``comm``'s
+    worker (:func:`.worker.settle`), so that it follows them on every rank."""
+    worker.settle(comm)
     if fault_tolerance.enabled():
         within = fault_tolerance.surfacing(operation, comm, within)
     if _thread is None:

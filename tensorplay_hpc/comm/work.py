@@ -7,6 +7,7 @@ from .mpi import MPI
 
 from .trace import Record
 from .watchdog import watched
+from .worker import Job
 
 __all__ = ["Work", "complete"]
 
@@ -28,14 +29,17 @@ def _wait_all(requests: List[MPI.Request]) -> None:
 
 
 class Work:
-    """A nonblocking operation in flight: MPI requests, then local work once they complete
+    """A nonblocking operation in flight: MPI requests and handles it waits for (calls queued
+    to a communicator's :mod:`.worker`, other works), then local work once they complete
     (copying staged buffers back, dividing an average). Like torch.distributed's ``Work``."""
 
     def __init__(self, requests: Sequence[MPI.Request] = (),
                  then: Optional[Callable[[], object]] = None, keep: Sequence[object] = (),
                  operation: str = "", comm: Optional[MPI.Intracomm] = None,
-                 record: Optional[Record] = None, source: Optional[int] = None) -> None:
+                 record: Optional[Record] = None, source: Optional[int] = None,
+                 parts: Sequence[object] = ()) -> None:
         self._requests: List[MPI.Request] = list(requests)
+        self._parts = list(parts)   # each with wait() and is_completed()
         self._then = then
         self._keep = list(keep)   # buffers MPI may still read: alive until completion
         self._done = False
@@ -47,18 +51,21 @@ class Work:
         self._done = True
         if self._record is not None:
             self._record.finish()
-        self._keep = []
+        self._keep = self._parts = []
         if self._then is not None:
             then, self._then = self._then, None
             then()
 
     def wait(self) -> bool:
-        """Block until the operation has completed and its results are in place."""
+        """Block until the operation has completed and its results are in place; raises the
+        error of a part that failed."""
         if not self._done:
+            for part in self._parts:
+                part.wait()
             operation, comm = self._watch
-            if comm is None:
+            if self._requests and comm is None:
                 _wait_all(self._requests)
-            else:
+            elif self._requests:
                 with watched(f"wait for {operation}", comm):
                     _wait_all(self._requests)
             self._complete()
@@ -66,22 +73,20 @@ class Work:
 
     def is_completed(self) -> bool:
         """Test for completion without blocking (and let MPI progress meanwhile)."""
-        if not self._done and MPI.Request.Testall(self._requests):
-            self._complete()
+        if (not self._done and all(part.is_completed() for part in self._parts)
+                and (not self._requests or MPI.Request.Testall(self._requests))):
+            self.wait()   # nothing left to wait for: raises a part's error, runs ``then``
         return self._done
 
     @classmethod
     def all_of(cls, works: Sequence["Work"], then: Optional[Callable[[], object]] = None) -> "Work":
-        """One handle that completes when every one of ``works`` has; its wait is watched as
-        the first one's (the works of one call, on one communicator)."""
-        def finish() -> None:
-            for work in works:
-                work.wait()
-            if then is not None:
-                then()
-        requests = [r for work in works for r in work._requests]
-        operation, comm = works[0]._watch if works else ("", None)
-        return cls(requests, finish, operation=operation, comm=comm)
+        """One handle that completes when every one of ``works`` has, then runs ``then``."""
+        return cls(then=then, parts=works)
+
+    @classmethod
+    def queued(cls, job: Job) -> "Work":
+        """The handle of a call queued to a communicator's worker (:func:`.worker.submit`)."""
+        return cls(parts=[job])
 
 
 def complete(requests: List[MPI.Request], then: Callable[[], object], async_op: bool,

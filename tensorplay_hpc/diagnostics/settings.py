@@ -12,6 +12,7 @@ from tensorplay_hpc.comm.consistency import DEBUG_ENV
 from tensorplay_hpc.comm.cuda import CUDA_AWARE_ENV
 from tensorplay_hpc.comm.trace import TRACE_ENV
 from tensorplay_hpc.comm.watchdog import TIMEOUT_ENV
+from tensorplay_hpc.comm.worker import NONBLOCKING_ENV
 from tensorplay_hpc.distributed.optim.distributed_optimizer import DIRECT_ENV
 from tensorplay_hpc.checkpoint.locking import LOCKING_ENV
 from tensorplay_hpc.checkpoint.striping import (ALIGN_ENV, DEFAULT_BOUNDARY, STRIPE_COUNT_ENV,
@@ -49,6 +50,10 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting(DIRECT_ENV, "1",
             "0: DistributedOptimizer fetches and puts back even where windows are in shared "
             "memory"),
+    Setting(NONBLOCKING_ENV, "thread",
+            "thread or requests: how collectives started nonblocking run (blocking, in order, "
+            "on a thread per communicator; or as MPI's nonblocking calls, as below "
+            "MPI_THREAD_MULTIPLE)"),
     Setting(CHUNK_ENV, str(MPI_COUNT_LIMIT),
             "the most elements handed to one MPI call; longer messages are split"),
     Setting(PIECE_ENV, str(PIECE_BYTES),

@@ -7,7 +7,7 @@ from mpi4py import MPI
 
 from tensorplay_hpc import comm
 from tensorplay_hpc.bench.network import bytes_sent
-from tensorplay_hpc.comm import ReduceOp, collectives, staging
+from tensorplay_hpc.comm import ReduceOp, collectives, staging, worker
 from tensorplay_hpc.comm.chunking import chunk_elements, chunks
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16,
@@ -262,12 +262,18 @@ def test_coalesced_mixed_dtypes(group, chunking):
     assert tensors[0].tolist() == [0.0, 0.0] and tensors[1].tolist() == [0, 0, 0]
 
 
-@pytest.mark.parametrize("async_op", [False, True], ids=["streamed", "async"])
-def test_coalesced_streams_pieces(group, setting, monkeypatch, async_op):
+@pytest.mark.parametrize("nonblocking", [None, "thread", "requests"],
+                         ids=["streamed", "queued", "requests"])
+def test_coalesced_streams_pieces(group, setting, monkeypatch, nonblocking):
     """With 64-byte pieces (16 float32 elements): small tensors packed a piece at a time, large
     ones reduced in their own memory (float32), through a float32 piece (bfloat16), or staged
-    (not contiguous); every rank ends with the exact averages and the tensors keep storage."""
+    (not contiguous); every rank ends with the exact averages and the tensors keep storage.
+    Started nonblocking, the same calls run on the communicator's worker, or as MPI requests
+    one flat buffer per dtype."""
     setting(comm.PIECE_ENV, "64")
+    async_op = nonblocking is not None
+    if async_op:
+        setting(worker.NONBLOCKING_ENV, nonblocking)
     r = float(group.rank)
     tensors = [torch.full((5,), r), torch.arange(40.) + r, torch.full((7,), 2 * r),
                torch.full((9,), r), torch.empty(0), (torch.arange(60.) + r).view(6, 10).t(),
@@ -284,6 +290,7 @@ def test_coalesced_streams_pieces(group, setting, monkeypatch, async_op):
     work = comm.all_reduce_coalesced(tensors, group.comm, ReduceOp.AVG, async_op=async_op)
     if async_op:
         work.wait()
+    if nonblocking == "requests":
         assert calls == [(135, False), (53, False)]      # one flat buffer per dtype
     else:   # float32: 40 in place; 5 + 7 packed; 60 (transposed) given whole to all_reduce,
         # which stages it; 9 + 0 packed; 14 alone in its piece, in place. bfloat16: 50 through

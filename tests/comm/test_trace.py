@@ -13,7 +13,7 @@ from mpi4py import MPI
 
 from launch import SUPPORT, mpiexec, only_in_single_rank_run
 from tensorplay_hpc import comm
-from tensorplay_hpc.comm import capabilities, trace
+from tensorplay_hpc.comm import capabilities, trace, worker
 from tensorplay_hpc.comm.capabilities import TRANSPORT_ENV
 from tensorplay_hpc.distributed import rma
 from tensorplay_hpc.train.config import TrainConfig
@@ -37,7 +37,9 @@ def _timed(events):
     return [e for e in events if e["ph"] != "M"]
 
 
-def test_ring_and_trace_hold_a_known_sequence(world, traced):
+def test_ring_and_trace_hold_a_known_sequence(world, traced, setting):
+    """The ring and the trace, with nonblocking collectives as MPI requests."""
+    setting(worker.NONBLOCKING_ENV, "requests")
     group = comm.ProcessGroup()
     size = group.size
     name = f"MPI_COMM_WORLD (private duplicate) of {size} ranks"
@@ -89,6 +91,28 @@ def test_ring_and_trace_hold_a_known_sequence(world, traced):
         assert len(every) == world.size * len(events)
     else:
         assert merged is None
+
+
+def test_a_queued_collective_is_traced_on_its_worker(world, setting):
+    """Started nonblocking, a collective runs blocking on its communicator's worker thread and
+    is recorded there, for the caller that started it; a blocking one started next follows it."""
+    setting(worker.NONBLOCKING_ENV, "thread")
+    if not worker.in_thread():
+        pytest.skip("below MPI_THREAD_MULTIPLE: no workers")
+    group = comm.ProcessGroup()
+    size = group.size
+    with trace.caller("queued"):
+        work = comm.all_gather(torch.empty(2 * size, dtype=torch.int16),
+                               torch.ones(2, dtype=torch.int16), group.comm, async_op=True)
+        comm.broadcast(torch.ones(3), group.comm)
+    work.wait()
+    gather, broadcast = trace.recent()[-2:]
+    assert (gather.name, gather.nbytes, gather.caller, gather.asynchronous) == (
+        "all_gather", 4 * size, "queued", False)
+    assert gather.thread.startswith("mpi-worker-") and gather.end <= broadcast.start
+    assert (broadcast.name, broadcast.thread, broadcast.asynchronous) == (
+        "broadcast", "MainThread", False)
+    group.close()
 
 
 def test_without_watchdog_or_trace_operations_are_counted_not_recorded(world, monkeypatch):

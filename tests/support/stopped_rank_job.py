@@ -35,13 +35,13 @@ STALL_S = 40.0
 STOP_POINTS: Dict[str, Optional[Tuple[str, str, str]]] = {
     "forward_hook": None,
     "backward_hook": None,
-    "ddp_bucket_allreduce": ("all_reduce", "comm/collectives.py", "ddp-allreduce"),
+    "ddp_bucket_allreduce": ("all_reduce", "comm/collectives.py", "mpi-worker"),
     "zero_allgather": ("all_gather_v", "comm/collectives.py", "MainThread"),
     "consistency_check": ("gather_digests", "comm/consistency.py", "MainThread"),
     "checkpoint_write": ("write_own", "checkpoint/writer.py", "MainThread"),
 }
 """Where a rank stops: in a hook of the model (``None``), or on entering the package's function
-(name, file, thread) that does that part of the step."""
+(name, file, and the start of the thread's name) that does that part of the step."""
 CASES = tuple(f"stop_{point}" for point in STOP_POINTS) + (
     "stall_save", "stall_load", "stall_first_collective")
 
@@ -68,7 +68,7 @@ class _Stopper:
         name, file, thread = self.target
         if (self.armed and event == "call" and frame.f_code.co_name == name
                 and frame.f_code.co_filename.endswith(file)
-                and threading.current_thread().name == thread):
+                and threading.current_thread().name.startswith(thread)):
             self.armed = False
             _stop()
 

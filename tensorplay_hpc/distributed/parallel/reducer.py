@@ -20,16 +20,16 @@ and which parameters were used) over the group. When any rank flags a problem, e
 the same ``RuntimeError``, naming the ranks and the parameters. The same allreduce tells
 ``find_unused_parameters`` which parameters were used on some rank.
 
-The built-in reduction runs on a communication thread (:mod:`.comm_thread`): it waits without
-spinning until every rank has the bucket, then runs blocking allreduces in cache-sized pieces
-(:mod:`tensorplay_hpc.comm.chunking`). Open MPI's nonblocking allreduce advances only inside MPI
-calls and, in place or below 4 ranks, uses a binomial tree; measured on 2 ranks it was 3-4x
-slower than the blocking one in pieces. Communication hooks return their own handles (usually
-nonblocking ``comm.Work``); the hooks of later buckets test the oldest outstanding one, which
-drives MPI progress during the backward pass.
+The built-in reduction runs on the communicator's worker thread (:mod:`tensorplay_hpc.comm.worker`):
+it waits without spinning until every rank has the bucket, then runs blocking allreduces in
+cache-sized pieces (:mod:`tensorplay_hpc.comm.chunking`). Open MPI's nonblocking allreduce
+advances only inside MPI calls and, in place or below 4 ranks, uses a binomial tree; measured
+on 2 ranks it was 3-4x slower than the blocking one in pieces. Communication hooks return their
+own handles (usually a ``comm.Work`` of collectives queued to the same worker).
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
@@ -38,13 +38,12 @@ from tensorplay_hpc.comm.mpi import MPI
 from torch.utils._pytree import tree_leaves
 
 from tensorplay_hpc import comm
-from tensorplay_hpc.comm import trace
+from tensorplay_hpc.comm import trace, worker
 from tensorplay_hpc.comm.small_collectives import BACKGROUND_PAUSE_S
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.default_hooks import BucketWork
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.grad_bucket import (
     CommHook, GradBucket, HookResult, result_done, result_tensor)
 
-from .comm_thread import CommThread
 from .gradient_places import GradientPlaces, InBuckets, InPlace
 
 __all__ = ["FIRST_BUCKET_BYTES", "Reducer", "assign_buckets", "reachable_parameters"]
@@ -99,11 +98,9 @@ def _on_grad(reducer_ref: "weakref.ref[Reducer]", index: int, param: torch.Tenso
         reducer.gradient_ready(index)
 
 
-def _remove(handles: Iterable[Any], worker: Optional["CommThread"]) -> None:
+def _remove(handles: Iterable[Any]) -> None:
     for handle in handles:
         handle.remove()
-    if worker is not None:
-        worker.stop()
 
 
 class Reducer:
@@ -157,11 +154,11 @@ class Reducer:
             for i, p in enumerate(self.params)]
         # MPI from a second thread needs MPI_THREAD_MULTIPLE (mpi4py's default); without it the
         # buckets are reduced in the hooks, blocking.
-        self._worker = CommThread() if MPI.Query_thread() == MPI.THREAD_MULTIPLE else None
-        self._release = weakref.finalize(self, _remove, handles, self._worker)
+        self._threaded = worker.in_thread()
+        self._release = weakref.finalize(self, _remove, handles)
 
     def close(self) -> None:
-        """Remove the gradient hooks and stop the communication thread. Local."""
+        """Remove the gradient hooks. Local."""
         self._release()
 
     def _reset(self) -> None:
@@ -266,18 +263,19 @@ class Reducer:
                                self._reduce)
 
     def submit(self, tensor: Any, reduce: Callable[[Any], None]) -> HookResult:
-        """Run ``reduce(tensor)``, blocking collectives, on the communication thread after the
-        buckets' reductions already queued (right here below ``MPI_THREAD_MULTIPLE``); return
+        """Run ``reduce(tensor)``, blocking collectives, on the worker of the group's
+        communicator after the calls already queued there (right here without workers); return
         a hook result for it. For hooks whose collectives are faster blocking. Local."""
-        if self._worker is None:
+        if not self._threaded:
             reduce(tensor)
             return BucketWork(tensor)
-        return self._worker.submit(tensor, reduce)
+        return BucketWork(tensor, comm.Work.queued(
+            worker.submit(self.comm, functools.partial(reduce, tensor))))
 
     def _reduce(self, tensors: List[torch.Tensor]) -> None:
         """The built-in reduction of one bucket (its buffer, or its gradients where they are),
         in place."""
-        if self._worker is not None:
+        if self._threaded:
             # A blocking collective would spin while late ranks finish their backward pass,
             # taking the core their backward pass (and ours) needs: wait for them quietly first.
             comm.quiet_barrier(self.comm, BACKGROUND_PAUSE_S)
