@@ -11,7 +11,8 @@
 - :mod:`.chunking` splits messages longer than MPI's count limit, and large allreduces into
   cache-sized pieces; :mod:`.environment` reads the variables every collective consults once;
 - :mod:`.flat_buffer` packs many tensors into one buffer;
-- :mod:`.collectives` and :mod:`.work` are the collectives, blocking or not;
+- :mod:`.collectives` and :mod:`.work` are the collectives, blocking or not; :mod:`.worker`
+  runs those started nonblocking, blocking and in order, on a thread per communicator;
   :mod:`.small_collectives` those on small values (objects, flags, digests) and
   :mod:`.communicators` the making of communicators (``Dup``, ``Split``): the package calls no
   mpi4py collective elsewhere, so the watchdog sees every one;
@@ -44,13 +45,13 @@ from .flat_buffer import FlatBuffer, group_by_dtype_device
 from .group import ProcessGroup, is_member, resolve
 from .lifetime import Closeable
 from .node_layout import NodeLayout
-from .work import Work
+from .work import Work, in_background
 
 __all__ = [
     "CHUNK_ENV", "CUDA_AWARE_ENV", "Closeable", "FlatBuffer", "NodeLayout", "PIECE_ENV",
     "ProcessGroup", "ReduceOp", "Work", "abort_on_exception", "agree", "all_gather",
     "all_gather_v", "all_reduce", "all_reduce_coalesced", "broadcast", "broadcast_coalesced",
     "capabilities", "check_consistent", "device_for_rank", "gather", "gather_digests",
-    "group_by_dtype_device", "is_cuda_aware", "is_member", "library", "local_rank",
+    "group_by_dtype_device", "in_background", "is_cuda_aware", "is_member", "library", "local_rank",
     "quiet_barrier", "reduce", "reduce_scatter", "resolve", "tensor_signature",
 ]

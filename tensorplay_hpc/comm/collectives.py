@@ -38,10 +38,16 @@ C = TypeVar("C", bound=Callable)
 def _queueable(collective: C) -> C:
     """``collective`` (which takes ``async_op`` by keyword), queued as a blocking call to its
     communicator's worker when started with ``async_op=True`` and :func:`.worker.in_thread`.
-    The caller's CUDA streams are synchronized first: the worker's are not the caller's."""
+    The caller's CUDA streams are synchronized first: the worker's are not the caller's.
+
+    A sum of 16-bit floats in their own type (``in_dtype``) stays with MPI's requests: its
+    reduction is Python code that MPI calls back, which on a worker waits for the caller's
+    interpreter lock while the caller waits for the MPI library's (Intel MPI holds one lock for
+    the whole library): a deadlock."""
     @functools.wraps(collective)
     def call(*args, async_op: bool = False, **kwargs):
-        if not (async_op and worker.in_thread()):
+        if (not (async_op and worker.in_thread())
+                or kwargs.get("in_dtype") and is_half(args[0].dtype)):
             return collective(*args, async_op=async_op, **kwargs)
         values = (*args, *kwargs.values())
         for value in values:

@@ -7,9 +7,10 @@ from .mpi import MPI
 
 from .trace import Record
 from .watchdog import watched
+from . import worker
 from .worker import Job
 
-__all__ = ["Work", "complete"]
+__all__ = ["Work", "complete", "in_background"]
 
 
 def _wait_all(requests: List[MPI.Request]) -> None:
@@ -100,3 +101,13 @@ def complete(requests: List[MPI.Request], then: Callable[[], object], async_op: 
         then()
         return None
     return Work(requests, then, keep, operation, comm, record)
+
+
+def in_background(comm: MPI.Intracomm, run: Callable[[], object]) -> Work:
+    """Run ``run`` (blocking collectives: on ``comm``, and on other communicators in an order
+    every rank follows) on ``comm``'s worker, after the calls queued there; return its handle.
+    Where there are no workers (:func:`.worker.available`), ``run`` runs here, at once. Local."""
+    if worker.available():
+        return Work.queued(worker.submit(comm, run))
+    run()
+    return Work()

@@ -14,8 +14,10 @@ queue to empty (:func:`settle`, called by the watchdog's ``watched`` that every 
 enters). So every rank issues the collectives of a communicator in the order its program
 started them, as with MPI's own nonblocking calls.
 
-``TENSORPLAY_HPC_NONBLOCKING`` chooses: ``thread`` (the default where every thread may call MPI)
-or ``requests`` (MPI's nonblocking calls, as below ``MPI_THREAD_MULTIPLE``).
+``TENSORPLAY_HPC_NONBLOCKING`` chooses: ``thread`` (the default where every thread may call MPI,
+but for Intel MPI) or ``requests`` (MPI's nonblocking calls, as below ``MPI_THREAD_MULTIPLE``).
+Work handed to a worker as a whole (:func:`~.work.in_background`: DDP's buckets, the
+hierarchical hook's phases) runs there wherever workers are :func:`available`.
 """
 from __future__ import annotations
 
@@ -25,27 +27,37 @@ import queue
 import threading
 from typing import Callable, Dict, Optional
 
+from . import library
 from .environment import read_once
 from .mpi import MPI
 
-__all__ = ["NONBLOCKING_ENV", "Job", "in_thread", "settle", "stop", "submit"]
+__all__ = ["NONBLOCKING_ENV", "Job", "available", "in_thread", "settle", "stop", "submit"]
 
 NONBLOCKING_ENV = "TENSORPLAY_HPC_NONBLOCKING"
 _CHOICES = ("thread", "requests")
 
 
+def available() -> bool:
+    """Whether workers may run: every thread may call MPI (``MPI_THREAD_MULTIPLE``). Local."""
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+
 @read_once
 def in_thread() -> bool:
-    """Whether nonblocking collectives run on worker threads (else as MPI requests). Local.
+    """Whether collectives started nonblocking run on workers (else as MPI requests): by
+    default wherever workers are :func:`available`, except under Intel MPI, whose one lock
+    for the whole library hung 4-rank runs of the test suite with workers. Local.
 
     Raises:
         ValueError: ``TENSORPLAY_HPC_NONBLOCKING`` names neither ``thread`` nor ``requests``.
     """
-    choice = os.environ.get(NONBLOCKING_ENV, "").strip().lower() or "thread"
-    if choice not in _CHOICES:
+    choice = os.environ.get(NONBLOCKING_ENV, "").strip().lower()
+    if choice not in _CHOICES + ("",):
         raise ValueError(f"{NONBLOCKING_ENV}={choice!r} on world rank "
                          f"{MPI.COMM_WORLD.Get_rank()}: choose thread or requests")
-    return choice == "thread" and MPI.Query_thread() == MPI.THREAD_MULTIPLE
+    if not choice:
+        choice = "requests" if library.family() == "intel-mpi" else "thread"
+    return choice == "thread" and available()
 
 
 class Job:

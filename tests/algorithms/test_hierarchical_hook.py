@@ -13,7 +13,7 @@ from mpi4py import MPI
 
 from tensorplay_hpc import comm
 from tensorplay_hpc.bench.network import bytes_sent
-from tensorplay_hpc.comm import library, lifetime
+from tensorplay_hpc.comm import library, lifetime, worker
 from tensorplay_hpc.comm.private import private_comm
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_fut
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.hierarchical_hook import (
@@ -63,16 +63,15 @@ def test_equals_a_flat_average_for_any_length_and_dtype(numel, dtype):
     torch.testing.assert_close(tensor.double(), expected / WORLD.size, rtol=tolerance, atol=0)
 
 
-def test_close_frees_its_four_communicators():
+def test_close_frees_its_three_communicators():
     gc.collect()                 # no other test's object is collected mid-test
     before = Counter(lifetime.open_objects())
     state = HierarchicalState()
     made = Counter(lifetime.open_objects()) - before
-    # the group, its node, across the nodes, and the node again for the last phase
-    assert sum(made.values()) == 4 and set(made) == {
+    # the group, its node, and across the nodes
+    assert sum(made.values()) == 3 and set(made) == {
         e for e in made if e.startswith("HierarchicalState: communicator ")}
     assert state.node.Get_size() * state.across.Get_size() == WORLD.size
-    assert MPI.Comm.Compare(state.node, state.gather) == MPI.CONGRUENT
     state.close()
     assert not Counter(lifetime.open_objects()) - before
 
@@ -118,7 +117,7 @@ def _network_bytes(state, run, steps):
 @pytest.mark.skipif(not os.environ.get("TENSORPLAY_TEST_NODES"),
                     reason="counts bytes between simulated nodes")
 @pytest.mark.mpi(min_size=4)
-def test_across_nodes_each_node_sends_a_bucket_once_not_once_per_rank():
+def test_across_nodes_each_node_sends_a_bucket_once_not_once_per_rank(setting):
     numel, steps = 1 << 18, 5                 # 1 MiB of float32 per step
     tensor = torch.ones(numel)
     with HierarchicalState() as state:
@@ -127,15 +126,21 @@ def test_across_nodes_each_node_sends_a_bucket_once_not_once_per_rank():
         nodes = state.across.Get_size()
         group = private_comm(WORLD)
         _, flat = _network_bytes(state, lambda: allreduce_fut(group, tensor).wait(), steps)
+        setting(worker.NONBLOCKING_ENV, "requests")
+        _, flat_nonblocking = _network_bytes(
+            state, lambda: allreduce_fut(group, tensor).wait(), steps)
         node, total = _network_bytes(
             state, lambda: hierarchical_all_reduce(state, tensor).wait(), steps)
     nbytes = 4 * numel * steps
     # The nodes' parts cross the network as one bucket allreduced over one rank per node would:
     # 2 (k - 1) buckets in all between k nodes, one to two from each (exactly one between two);
-    # TCP and MPI headers add a few percent. Open MPI's flat allreduce here sends 3 buckets
-    # between 2 nodes (2 from the first node); MPICH's is node-aware already (its SMP
-    # collectives), and sends what the hook sends.
-    assert nbytes <= node < 1.1 * nbytes * (1 if nodes == 2 else 2), (node, total, flat)
-    assert total < 1.1 * 2 * (nodes - 1) * nbytes and total < 1.02 * flat, (node, total, flat)
+    # TCP and MPI headers add a few percent. A flat allreduce sends no less: Open MPI's
+    # blocking one, on nodes of consecutive ranks, halves its messages between near ranks
+    # first and sends what the hook sends; its nonblocking one (MPI_Iallreduce) sends 3
+    # buckets between 2 nodes. MPICH's are node-aware already (its SMP collectives).
+    bytes_seen = (node, total, flat, flat_nonblocking)
+    assert nbytes <= node < 1.1 * nbytes * (1 if nodes == 2 else 2), bytes_seen
+    assert total < 1.1 * 2 * (nodes - 1) * nbytes, bytes_seen
+    assert total < 1.02 * flat and total < 1.02 * flat_nonblocking, bytes_seen
     if library.family() == "open-mpi":
-        assert total < 0.8 * flat, (node, total, flat)
+        assert total < 0.8 * flat_nonblocking, bytes_seen

@@ -154,7 +154,7 @@ class Reducer:
             for i, p in enumerate(self.params)]
         # MPI from a second thread needs MPI_THREAD_MULTIPLE (mpi4py's default); without it the
         # buckets are reduced in the hooks, blocking.
-        self._threaded = worker.in_thread()
+        self._threaded = worker.available()
         self._release = weakref.finalize(self, _remove, handles)
 
     def close(self) -> None:
@@ -266,11 +266,7 @@ class Reducer:
         """Run ``reduce(tensor)``, blocking collectives, on the worker of the group's
         communicator after the calls already queued there (right here without workers); return
         a hook result for it. For hooks whose collectives are faster blocking. Local."""
-        if not self._threaded:
-            reduce(tensor)
-            return BucketWork(tensor)
-        return BucketWork(tensor, comm.Work.queued(
-            worker.submit(self.comm, functools.partial(reduce, tensor))))
+        return BucketWork(tensor, comm.in_background(self.comm, functools.partial(reduce, tensor)))
 
     def _reduce(self, tensors: List[torch.Tensor]) -> None:
         """The built-in reduction of one bucket (its buffer, or its gradients where they are),

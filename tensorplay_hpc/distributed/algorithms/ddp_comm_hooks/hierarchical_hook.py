@@ -1,7 +1,8 @@
 """A hierarchical allreduce hook: gradients cross the network once per node, not once per rank.
 
-Each bucket is averaged in three nonblocking phases, each started when the previous one has
-completed (DDP tests the handle during the backward pass, so the phases overlap with it):
+Each bucket is averaged in three phases, run one after another as blocking collectives on the
+node communicator's worker thread (:func:`tensorplay_hpc.comm.in_background`), so that they
+overlap the backward pass:
 
 1. reduce-scatter within the node (shared memory): node rank ``k`` gets the node's sum of part
    ``k`` of the bucket (the bucket split into as many near-equal parts as a node has ranks);
@@ -13,15 +14,14 @@ completed (DDP tests the handle during the backward pass, so the phases overlap 
 The result equals a flat allreduce up to the order of summation. The nodes must hold the same
 number of ranks; otherwise the hook warns once and averages with a flat allreduce.
 
-Nonblocking collectives on one communicator must start in the same order on every rank, but a
-phase starts when a test finds the previous one done, which differs between ranks. So each phase
-has a communicator of its own, and a bucket starts a phase only after every earlier bucket has
-started it: on each communicator the buckets then come in the same order everywhere.
+The buckets queue in the order DDP starts them, the same on every rank, so each communicator
+sees their phases in the same order everywhere. One job per bucket runs all three phases: on
+more ranks than cores, handing each phase to the next thread cost a scheduling delay each.
 """
 from __future__ import annotations
 
 import warnings
-from typing import Callable, List, Optional
+from typing import List, Optional
 
 import torch
 
@@ -29,11 +29,9 @@ from tensorplay_hpc import comm
 from tensorplay_hpc.comm.communicators import free, split
 from tensorplay_hpc.comm.mpi import MPI
 
-from .default_hooks import allreduce_fut
+from .default_hooks import BucketWork, allreduce_fut
 
 __all__ = ["HierarchicalState", "hierarchical_all_reduce", "hierarchical_allreduce_hook"]
-
-Phase = Callable[[], Optional[comm.Work]]
 
 
 class HierarchicalState(comm.Closeable):
@@ -46,15 +44,14 @@ class HierarchicalState(comm.Closeable):
 
     Attributes:
         layout: where the group's ranks sit (:class:`~tensorplay_hpc.comm.NodeLayout`).
-        node, across, gather: the communicators of the three phases (this rank's node; the ranks
-            at its node rank on every node; this rank's node again).
+        node, across: the communicators of the phases (this rank's node; the ranks at its node
+            rank on every node).
     """
 
     def __init__(self, process_group: Optional[MPI.Comm] = None) -> None:
         self._group = comm.ProcessGroup(process_group, owner="HierarchicalState")
         self.layout = comm.NodeLayout(self._group.comm)
         self._levels: List[comm.ProcessGroup] = []
-        self._last: Optional[_Phases] = None   # the bucket started most recently
         self.uneven = self.layout.node_size is None
         if self.uneven:
             warnings.warn(f"hierarchical_allreduce_hook: the nodes hold different numbers of "
@@ -62,8 +59,7 @@ class HierarchicalState(comm.Closeable):
                           "with a flat allreduce instead", stacklevel=2)
             return
         for color, key in ((self.layout.node, self.layout.node_rank),
-                           (self.layout.node_rank, self.layout.node),
-                           (self.layout.node, self.layout.node_rank)):
+                           (self.layout.node_rank, self.layout.node)):
             level = split(self._group.comm, color, key)
             self._levels.append(comm.ProcessGroup(level, owner="HierarchicalState"))
             free(level)
@@ -78,58 +74,11 @@ class HierarchicalState(comm.Closeable):
         """The ranks at this rank's node rank on every node, by node."""
         return self._levels[1].comm
 
-    @property
-    def gather(self) -> MPI.Intracomm:
-        """The ranks of this rank's node, by node rank (for the last phase)."""
-        return self._levels[2].comm
-
     def close(self) -> None:
         """Free the communicators. Collective; closing again does nothing."""
         for level in self._levels:
             level.close()
         self._group.close()
-
-
-class _Phases:
-    """Nonblocking phases run one after another; the result is ``tensor`` once all are done.
-    Phase ``i > 0`` starts only once ``ahead`` (the bucket started before, if still running)
-    has started phase ``i``."""
-
-    def __init__(self, tensor: torch.Tensor, phases: List[Phase],
-                 ahead: Optional[_Phases]) -> None:
-        self.tensor = tensor
-        self._phases = phases
-        self._ahead = ahead
-        self._work = phases[0]()
-        self._started = 1
-
-    def _advance(self, block: bool) -> bool:
-        while True:
-            if self._work is not None:
-                if block:
-                    self._work.wait()
-                elif not self._work.is_completed():
-                    return False
-                self._work = None
-            if self._started == len(self._phases):
-                self._ahead = None
-                return True
-            ahead = self._ahead
-            if ahead is not None and ahead._started <= self._started:
-                ahead._advance(block)
-                if ahead._started <= self._started:
-                    return False
-            self._work = self._phases[self._started]()
-            self._started += 1
-
-    def is_completed(self) -> bool:
-        """Whether every phase has completed (starting the next one when the last is done)."""
-        return self._advance(block=False)
-
-    def wait(self) -> torch.Tensor:
-        """Run the remaining phases to the end; return the averaged tensor."""
-        self._advance(block=True)
-        return self.tensor
 
 
 def _parts(numel: int, count: int) -> List[int]:
@@ -145,16 +94,16 @@ def hierarchical_all_reduce(state: HierarchicalState, tensor: torch.Tensor) -> o
     group = state._group.comm
     if state.uneven:
         return allreduce_fut(group, tensor)
-    node, across, gather = state.node, state.across, state.gather
+    node, across = state.node, state.across
     counts = _parts(tensor.numel(), node.Get_size())
     part = tensor.new_empty(counts[node.Get_rank()])
     tensor.div_(group.Get_size())
-    state._last = _Phases(tensor, [
-        lambda: comm.reduce_scatter(part, tensor, node, counts, async_op=True),
-        lambda: comm.all_reduce(part, across, async_op=True),
-        lambda: comm.all_gather_v(tensor, counts, gather, input=part, async_op=True)],
-        ahead=state._last)
-    return state._last
+
+    def phases() -> None:
+        comm.reduce_scatter(part, tensor, node, counts)
+        comm.all_reduce(part, across)
+        comm.all_gather_v(tensor, counts, node, input=part)
+    return BucketWork(tensor, comm.in_background(node, phases))
 
 
 def hierarchical_allreduce_hook(state: HierarchicalState, bucket) -> object:
