@@ -4,9 +4,10 @@ order they were started.
 MPI's nonblocking collectives advance only inside MPI calls on their own rank, and their
 algorithms are not the tuned ones of the blocking calls: five 1 MiB ``Iallreduce`` in flight
 took 1.05-2.9x the time of the same blocking calls at 2 and 4 ranks under each MPI library
-here, and nonblocking averaging 7-96x its cost model at 16 ranks on 2 cores. So where every rank runs at ``MPI_THREAD_MULTIPLE``, a collective started
-with ``async_op=True`` is queued to its communicator's worker thread, which runs the blocking
-call, and the caller goes on at once (PyTorch's own MPI backend works the same way).
+here, and nonblocking averaging 7-96x its cost model at 16 ranks on 2 cores. So where every
+rank runs at ``MPI_THREAD_MULTIPLE``, a collective started with ``async_op=True`` is queued to
+its communicator's worker thread, which runs the blocking call, and the caller goes on at once
+(PyTorch's own MPI backend works the same way).
 
 Order is what keeps this safe: each communicator has one queue, and a blocking collective the
 library starts on a communicator from any other thread first waits for that communicator's

@@ -93,7 +93,7 @@ def test_ring_and_trace_hold_a_known_sequence(world, traced, setting):
         assert merged is None
 
 
-def test_a_queued_collective_is_traced_on_its_worker(world, setting):
+def test_a_queued_collective_is_traced_on_its_worker(world, traced, setting):
     """Started nonblocking, a collective runs blocking on its communicator's worker thread and
     is recorded there, for the caller that started it; a blocking one started next follows it."""
     setting(worker.NONBLOCKING_ENV, "thread")
