@@ -5,7 +5,7 @@ and an FSDP2 (``fully_shard``, ZeRO-3) training step with Adam on the benchmark 
 backend against over gloo."""
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -46,21 +46,21 @@ def _collectives(nbytes: int, raw: MPI.Intracomm, size: int) -> List[Case]:
 
 
 def fully_sharded(group: dist.ProcessGroup, module: Optional[torch.nn.Module] = None,
-                  replicas: int = 1) -> torch.nn.Module:
+                  rows: Optional[Sequence[Sequence[int]]] = None) -> torch.nn.Module:
     """``module`` (default: the benchmark MLP) under FSDP2, each Linear a unit, on a mesh of
-    ``group``'s backend: 1-D over all ranks (ZeRO-3), or with ``replicas`` > 1 2-D, ``replicas``
-    blocks of consecutive ranks holding the shards of one replica (HSDP). Collective over the
-    default group (the 2-D mesh makes groups)."""
+    ``group``'s backend: 1-D over all ranks (ZeRO-3), or 2-D (HSDP) with ``rows`` the ranks
+    holding the shards of one replica each (as :func:`~tensorplay_hpc.train.mesh.hybrid_shape`
+    gives them). Collective over the default group (the 2-D mesh makes groups)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
-    if replicas == 1:
+    if rows is None:
         mesh = DeviceMesh.from_group(group, "cpu")
     else:
-        backend, rank = dist.get_backend(group), dist.get_rank()
-        layout = torch.arange(dist.get_world_size()).view(replicas, -1)
+        backend = dist.get_backend(group)
+        layout = torch.tensor(rows)
         shards = [dist.new_group(row.tolist(), backend=backend) for row in layout]
         copies = [dist.new_group(col.tolist(), backend=backend) for col in layout.t()]
-        row, col = divmod(rank, layout.shape[1])
+        row, col = divmod(int((layout.flatten() == dist.get_rank()).nonzero()), layout.shape[1])
         mesh = DeviceMesh.from_group([copies[col], shards[row]], "cpu", mesh=layout,
                                      mesh_dim_names=(f"{backend} replicas", f"{backend} shards"))
     model = mlp() if module is None else module

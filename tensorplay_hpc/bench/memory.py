@@ -3,9 +3,9 @@ the library's own buffers, for DDP with a local Adam, PyTorch's ZeroRedundancyOp
 gloo, and ours as ZeRO-1 (bucket view off and on, overlapped with DDP) and ZeRO-2, on the
 benchmark MLP and on the training job's transformer; on the MLP also PyTorch's FSDP2 over the
 ``mpi4py`` backend: ZeRO-3 (``fully_shard`` on all ranks) and, from 4 ranks, hybrid sharding
-(HSDP: replicas across nodes, shards within a node; on one node, two halves of the ranks). Every DDP, ours and PyTorch's, runs with
-``gradient_as_bucket_view=True``, the setting for saving memory (the gradients live in the
-buckets rather than beside them).
+(HSDP: a replica per node, sharded within it, wherever the ranks sit; on one node, rows of
+consecutive ranks). Every DDP, ours and PyTorch's, runs with ``gradient_as_bucket_view=True``,
+the setting for saving memory (the gradients live in the buckets rather than beside them).
 
 Bytes are those of the distinct tensor storages (a DTensor's: its local shard's) reachable from the model, the optimizer, DDP and
 its hook after a few training steps, each storage counted once, in the first of these kinds it
@@ -43,6 +43,7 @@ from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.default_hooks import a
 from tensorplay_hpc.distributed.optim import ZeroRedundancyOptimizer
 from tensorplay_hpc.distributed.parallel import DistributedDataParallel
 from tensorplay_hpc.train.data import VOCAB_SIZE
+from tensorplay_hpc.train.mesh import hybrid_shape
 from tensorplay_hpc.train.model import CharTransformer, next_token_loss
 
 __all__ = ["ADAM", "CASES", "KINDS", "SHARDED_CASES", "Setup", "run", "storage_bytes"]
@@ -148,17 +149,12 @@ def _fsdp(module):
 
 
 def _hsdp(module):
-    """HSDP: FSDP2 on a 2-D mesh (replicas across nodes, shards within), over the backend."""
-    model = fully_sharded(backend_group(), module=module, replicas=_replicas())
+    """HSDP: FSDP2 on a 2-D mesh (a replica per node, sharded within it; on one node, rows of
+    consecutive ranks), over the backend."""
+    rows, _ = hybrid_shape(NodeLayout(MPI.COMM_WORLD))
+    model = fully_sharded(backend_group(), module=module, rows=rows)
     optimizer = torch.optim.Adam(model.parameters(), **ADAM)
     return model, optimizer, optimizer.step, [model, optimizer]
-
-
-def _replicas() -> int:
-    """HSDP's replicas: the nodes when there are several of one size, else two halves."""
-    layout = NodeLayout(MPI.COMM_WORLD)
-    several = len(layout.nodes) > 1 and layout.node_size and layout.contiguous
-    return len(layout.nodes) if several else 2
 
 
 CASES: Dict[str, Setup] = {

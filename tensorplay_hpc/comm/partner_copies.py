@@ -1,5 +1,6 @@
 """Copies of each rank's bytes in the memory of a partner rank on another node: state that one
-rank alone holds (a ZeRO shard) outlives that rank, with no disk involved.
+rank alone holds (a ZeRO shard) outlives that rank, with no disk involved. The bytes travel in
+the background, on the worker of the copies' own communicator, while the next step computes.
 
 Ranks are named by their ``MPI.COMM_WORLD`` rank, the names that
 :func:`~.fault_tolerance.shrink` reports lost ranks by, so the copies stay usable after the
@@ -16,6 +17,7 @@ from .group import ProcessGroup
 from .mpi import MPI
 from .node_layout import NodeLayout
 from .small_collectives import all_gather_object
+from .work import Work, in_background
 
 __all__ = ["PartnerCopies", "partner_of"]
 
@@ -36,8 +38,8 @@ def partner_of(nodes: List[List[int]], rank: int) -> int:
 class PartnerCopies:
     """Each rank of ``communicator`` sends its bytes to its partner (:func:`partner_of` over
     the nodes) at every :meth:`keep`, and holds those of the ranks it backs for the ``depth``
-    newest steps. Collective: construct it on every rank of a communicator of at least two
-    ranks, and :meth:`close` it.
+    newest steps whose exchange has ended. Collective: construct it on every rank of a
+    communicator of at least two ranks, and :meth:`close` it.
 
     Attributes:
         partner: the world rank holding this rank's copies.
@@ -61,28 +63,39 @@ class PartnerCopies:
         self.backed = [w for w in world_of if self.partners[w] == self.world_rank]
         self.depth = depth
         self._held: Dict[int, Dict[int, torch.Tensor]] = {}   # step: {world rank: bytes}
+        self._travelling = Work()
 
     def keep(self, step: int, payload: torch.Tensor) -> None:
-        """Send ``payload`` (this rank's bytes after ``step``, a 1-D ``uint8`` CPU tensor) to
-        the partner and receive the backed ranks' bytes of ``step``; both are in place when it
-        returns. Collective."""
+        """Start sending ``payload`` (this rank's bytes after ``step``, a 1-D ``uint8`` CPU
+        tensor, not to be changed afterwards) to the partner and receiving the backed ranks'
+        bytes of ``step``, once the exchange of the previous :meth:`keep` has ended (raising what
+        ended it otherwise); returns at once where MPI lets threads call it, else once the bytes
+        are in place. :meth:`settle` waits for them. Collective."""
+        self.settle()
+        self._travelling = in_background(self._group.comm, lambda: self._exchange(step, payload))
+
+    def settle(self) -> None:
+        """Wait until the bytes of the last :meth:`keep` are in place; raise what ended their
+        exchange (a lost rank's :class:`~.fault_tolerance.RankLost`). Local."""
+        self._travelling.wait()
+
+    def _exchange(self, step: int, payload: torch.Tensor) -> None:
         comm = self._group.comm
         size = torch.tensor([payload.numel()], dtype=torch.int64)
         sizes = {w: torch.empty(1, dtype=torch.int64) for w in self.backed}
-        self._exchange(comm, size, sizes, _SIZE)
+        self._swap(comm, size, sizes, _SIZE)
         copies = {w: torch.empty(int(n[0]), dtype=torch.uint8) for w, n in sizes.items()}
-        self._exchange(comm, payload, copies, _BYTES)
-        self._held[step] = copies
-        for old in sorted(self._held)[:-self.depth]:
-            del self._held[old]
+        self._swap(comm, payload, copies, _BYTES)
+        held = {**self._held, step: copies}
+        self._held = {s: held[s] for s in sorted(held)[-self.depth:]}   # one assignment
 
-    def _exchange(self, comm: MPI.Intracomm, mine: torch.Tensor,
-                  theirs: Dict[int, torch.Tensor], tag: int) -> None:
+    def _swap(self, comm: MPI.Intracomm, mine: torch.Tensor,
+              theirs: Dict[int, torch.Tensor], tag: int) -> None:
         works = [point_to_point.send(mine, comm, self._rank_of[self.partner], tag)]
         works += [point_to_point.receive(t, comm, self._rank_of[w], tag)
                   for w, t in theirs.items()]
         for work in works:
-            work.wait()
+            work.wait(quietly=True)   # beside the next step's computation
 
     @property
     def comm(self) -> MPI.Intracomm:
@@ -90,7 +103,8 @@ class PartnerCopies:
         return self._group.comm
 
     def held(self, rank: int, step: int) -> Optional[torch.Tensor]:
-        """World rank ``rank``'s bytes after ``step``, if this rank holds them. Local."""
+        """World rank ``rank``'s bytes after ``step``, if this rank holds them (once their
+        exchange has ended). Local."""
         return self._held.get(step, {}).get(rank)
 
     @property
@@ -99,5 +113,6 @@ class PartnerCopies:
         return sorted(self._held)
 
     def close(self) -> None:
-        """Free the communicator (the copies held stay readable). Collective."""
+        """Let the exchange in flight end, then free the communicator (the copies held stay
+        readable). Collective."""
         self._group.close()

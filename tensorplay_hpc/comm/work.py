@@ -1,6 +1,7 @@
 """Handles of nonblocking operations."""
 from __future__ import annotations
 
+import time
 from typing import Callable, List, Optional, Sequence
 
 from .mpi import MPI
@@ -10,15 +11,25 @@ from .watchdog import watched
 from . import worker
 from .worker import Job
 
-__all__ = ["Work", "complete", "in_background"]
+__all__ = ["QUIET_PAUSE_S", "Work", "complete", "in_background"]
+
+QUIET_PAUSE_S = 1e-3
+"""The longest sleep between two tests of a quiet wait."""
 
 
-def _wait_all(requests: List[MPI.Request]) -> None:
-    """Wait for every request; where one fails, raise its own error (``Waitall`` reports
-    ``MPI_ERR_IN_STATUS`` for them all), so that a lost rank is told apart."""
+def _wait_all(requests: List[MPI.Request], quietly: bool = False) -> None:
+    """Wait for every request, inside MPI or, ``quietly``, testing them between sleeps (10 us,
+    doubling up to :data:`QUIET_PAUSE_S`); where one fails, raise its own error (``Waitall``
+    reports ``MPI_ERR_IN_STATUS`` for them all), so that a lost rank is told apart."""
     statuses = [MPI.Status() for _ in requests]
     try:
-        MPI.Request.Waitall(requests, statuses)
+        if quietly:
+            pause = 1e-5
+            while not MPI.Request.Testall(requests, statuses):
+                time.sleep(pause)
+                pause = min(2 * pause, QUIET_PAUSE_S)
+        else:
+            MPI.Request.Waitall(requests, statuses)
     except MPI.Exception as error:
         if error.Get_error_class() != MPI.ERR_IN_STATUS:
             raise
@@ -57,18 +68,20 @@ class Work:
             then, self._then = self._then, None
             then()
 
-    def wait(self) -> bool:
+    def wait(self, quietly: bool = False) -> bool:
         """Block until the operation has completed and its results are in place; raises the
-        error of a part that failed."""
+        error of a part that failed. ``quietly``: test its MPI requests between sleeps instead
+        of waiting inside MPI, leaving the core to busier threads (a background exchange's
+        choice: MPI's own wait keeps a core busy)."""
         if not self._done:
             for part in self._parts:
                 part.wait()
             operation, comm = self._watch
             if self._requests and comm is None:
-                _wait_all(self._requests)
+                _wait_all(self._requests, quietly)
             elif self._requests:
                 with watched(f"wait for {operation}", comm):
-                    _wait_all(self._requests)
+                    _wait_all(self._requests, quietly)
             self._complete()
         return True
 

@@ -46,8 +46,8 @@ def available() -> bool:
 @read_once
 def in_thread() -> bool:
     """Whether collectives started nonblocking run on workers (else as MPI requests): by
-    default wherever workers are :func:`available`, except under Intel MPI, whose one lock
-    for the whole library hung 4-rank runs of the test suite with workers. Local.
+    default wherever workers are :func:`available` and the library runs them safely
+    (:func:`~.library.queued_collectives_hang`). Local.
 
     Raises:
         ValueError: ``TENSORPLAY_HPC_NONBLOCKING`` names neither ``thread`` nor ``requests``.
@@ -57,7 +57,7 @@ def in_thread() -> bool:
         raise ValueError(f"{NONBLOCKING_ENV}={choice!r} on world rank "
                          f"{MPI.COMM_WORLD.Get_rank()}: choose thread or requests")
     if not choice:
-        choice = "requests" if library.family() == "intel-mpi" else "thread"
+        choice = "requests" if library.queued_collectives_hang() else "thread"
     return choice == "thread" and available()
 
 

@@ -5,7 +5,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -368,19 +368,26 @@ class Run(comm.Closeable):
         if self._rollback is None:
             raise Unrecoverable(f"--recover: cannot go on after losing a rank: "
                                 f"{refusal(self.config)}")
-        try:
-            survivors, gone, step = survive(self.world, self._rollback)
-        except Unrecoverable as why:
-            raise Unrecoverable(f"--recover: cannot go on after losing ranks: {why}") from None
-        reason = refusal(self.config, survivors.Get_size())
-        if reason is not None:
-            raise Unrecoverable(f"--recover: cannot go on after losing world ranks {gone}: "
-                                f"{reason}")
         progress.close()
         # The old groups' communicators are revoked: they are left to MPI_Finalize.
         self._checkpointer, self._saving = None, None
-        self._build(survivors)
-        self._rollback.restore(step, self.strategy)
+        gone: List[int] = []
+        while True:
+            try:
+                survivors, newly_gone, step = survive(self.world, self._rollback)
+            except Unrecoverable as why:
+                raise Unrecoverable(f"--recover: cannot go on after losing ranks: {why}") from None
+            gone = sorted(gone + newly_gone)
+            reason = refusal(self.config, survivors.Get_size())
+            if reason is not None:
+                raise Unrecoverable(f"--recover: cannot go on after losing world ranks {gone}: "
+                                    f"{reason}")
+            try:
+                self._build(survivors)
+                self._rollback.restore(step, self.strategy)
+                break
+            except fault_tolerance.RankLost as again:   # while the groups were rebuilt
+                print(f"[world rank {me}] --recover: {again}", file=sys.stderr, flush=True)
         self.history.rolled_back_to(step)
         self.history.recoveries.append(step)
         progress = Progress(self.group.rank, self.config.steps, step, bar=self.config.progress,

@@ -3,9 +3,11 @@
 A step is *committed* once every rank has agreed on its loss (the allreduce that ends each
 step) and, where a rank alone holds part of the state (ZeRO's optimizer shards), a copy of that
 part sits in the memory of a partner rank on another node
-(:class:`~tensorplay_hpc.comm.partner_copies.PartnerCopies`). Each rank keeps, in memory, its
-model and optimizer state after the last two steps it committed (never more than one step apart
-across ranks: a rank enters the next step's agreement only after finishing this one's). When a
+(:class:`~tensorplay_hpc.comm.partner_copies.PartnerCopies`); the copy travels in the
+background, during the next step. Each rank keeps, in memory, its model and optimizer state
+after the last two steps it committed (never more than one step apart across ranks: a rank
+enters the next step's agreement only after finishing this one's), three with copies (whose
+newest may not have arrived when a rank is lost). When a
 rank dies, the library's collectives raise
 :class:`~tensorplay_hpc.comm.fault_tolerance.RankLost` on every survivor
 (:mod:`tensorplay_hpc.comm.fault_tolerance`); the survivors shrink the job's communicator
@@ -45,6 +47,11 @@ resumes from its last checkpoint)."""
 RECOVERABLE = ("ddp", "local", "postlocal", "zero")
 """The ``--optimizer`` kinds the survivors of a lost rank go on with: those whose state every
 rank holds whole (replicated), and ZeRO, whose shards have copies on partner ranks."""
+
+
+_COPIED_STEPS = 3
+"""Steps kept with partner copies: the two that ranks may be apart, and one more, since the
+newest copies may still be travelling when a rank is lost."""
 
 
 class Unrecoverable(RuntimeError):
@@ -117,8 +124,9 @@ def shard_from_bytes(payload: torch.Tensor) -> Dict[int, Dict[Any, Any]]:
 
 
 class Rollback:
-    """The state of the last two steps this rank committed, kept in memory, and copies of the
-    ZeRO shards of the ranks it backs. Local, except :meth:`commit` of a sharded optimizer."""
+    """The state of the last steps this rank committed, kept in memory (two, three with
+    copies), and copies of the ZeRO shards of the ranks it backs. Local, except :meth:`commit`
+    of a sharded optimizer."""
 
     def __init__(self) -> None:
         self.kept: List[Committed] = []
@@ -126,8 +134,9 @@ class Rollback:
         self._copies_of: Optional[ZeroRedundancyOptimizer] = None
 
     def commit(self, step: int, strategy: Strategy) -> None:
-        """Keep a copy of the state after ``step``, dropping all but the previous one. With a
-        ZeRO optimizer on two ranks or more, collective: the partners exchange shards."""
+        """Keep a copy of the state after ``step``, dropping the oldest. With a ZeRO optimizer
+        on two ranks or more, collective: the partners start exchanging shards (once those of
+        the previous commit have arrived)."""
         model = {k: v.detach().clone() for k, v in strategy.module.state_dict().items()}
         optimizer = strategy.optimizer
         if isinstance(optimizer, ZeroRedundancyOptimizer):
@@ -138,7 +147,8 @@ class Rollback:
                 copies.keep(step, state.owned)
         else:
             state = copy.deepcopy(optimizer.state_dict())
-        self.kept = [*self.kept[-1:], Committed(step, model, state)]
+        older = 1 if self.copies is None else _COPIED_STEPS - 1
+        self.kept = [*self.kept[-older:], Committed(step, model, state)]
 
     def _partner_copies(self, optimizer: ZeroRedundancyOptimizer) -> Optional[PartnerCopies]:
         """The copies among ``optimizer``'s ranks (new ones after a recovery rebuilt it)."""
@@ -147,8 +157,17 @@ class Rollback:
                 self.copies.close()
             self._copies_of = optimizer
             group = optimizer.join_process_group
-            self.copies = PartnerCopies(group) if group.Get_size() > 1 else None
+            self.copies = (PartnerCopies(group, depth=_COPIED_STEPS) if group.Get_size() > 1
+                           else None)
         return self.copies
+
+    def settle(self) -> None:
+        """Let the copies in flight arrive, or fail with a lost rank. Local."""
+        if self.copies is not None:
+            try:
+                self.copies.settle()
+            except fault_tolerance.RankLost:   # those copies are then not held
+                pass
 
     def close(self) -> None:
         """Free the partners' communicator. Collective."""
@@ -227,6 +246,7 @@ def survive(world: MPI.Intracomm, rollback: Rollback) -> Tuple[MPI.Intracomm, Li
             or no step is held whole by every survivor.
     """
     fault_tolerance.revoke_all(also=[world])
+    rollback.settle()
     while True:
         survivors, lost = fault_tolerance.shrink(world)
         partners = rollback.copies.partners if rollback.copies is not None else {}

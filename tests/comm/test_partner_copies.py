@@ -1,10 +1,12 @@
 """Partner copies: each rank's bytes held by a rank on the next node (or the next rank on one
-node), for the newest steps only."""
+node), for the newest steps only, sent in the background."""
+import time
+
 import pytest
 import torch
 from mpi4py import MPI
 
-from tensorplay_hpc.comm import NodeLayout
+from tensorplay_hpc.comm import NodeLayout, worker
 from tensorplay_hpc.comm.partner_copies import PartnerCopies, partner_of
 
 
@@ -35,6 +37,7 @@ def test_each_rank_holds_its_backed_ranks_bytes_of_the_newest_steps():
             assert not set(nodes[layout.node]) & {copies.partner}
         for step in (1, 2, 3):
             copies.keep(step, _payload(world.rank, step))
+        copies.settle()   # step 3's bytes travel in the background until then
         assert copies.steps == [2, 3]
         for rank in copies.backed:
             for step in (2, 3):
@@ -48,3 +51,25 @@ def test_each_rank_holds_its_backed_ranks_bytes_of_the_newest_steps():
 def test_one_rank_has_no_partner():
     with pytest.raises(ValueError, match="PartnerCopies needs two ranks or more, not 1"):
         PartnerCopies(MPI.COMM_SELF)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_keep_returns_while_the_bytes_travel():
+    """Every rank but 0 starts its exchange half a second late: where threads may call MPI,
+    rank 0's ``keep`` returns at once all the same, and ``settle`` waits for the bytes."""
+    world = MPI.COMM_WORLD
+    copies = PartnerCopies(world)
+    try:
+        if world.rank:
+            time.sleep(0.5)
+        started = time.perf_counter()
+        copies.keep(1, _payload(world.rank, 1))
+        returned = time.perf_counter() - started
+        copies.settle()
+        if world.rank == 0 and worker.available():
+            assert returned < 0.25, f"keep waited {returned:.2f} s for the partner"
+            assert time.perf_counter() - started > 0.3
+        for rank in copies.backed:
+            assert torch.equal(copies.held(rank, 1), _payload(rank, 1))
+    finally:
+        copies.close()

@@ -1,9 +1,11 @@
 """``tensorplay-hpc train`` in which ranks die: ``recovery_job.py RANKS STEP TRAIN-OPTIONS``.
 
 Each world rank of RANKS (one, or several joined by commas: a whole node) kills itself with
-SIGKILL in step STEP + 1 (after committing step STEP), as a crash would end it; with STEP given
-as ``N/validation``, in the validation after step N instead. RANKS ``A>B`` kills A so, and B
-when the survivors have shrunk their communicator the first time (in the recovery). Every rank
+SIGKILL in step STEP + 1 (after committing step STEP, once its partner copies have arrived), as
+a crash would end it; with STEP given as ``N/validation``, in the validation after step N
+instead. RANKS ``A>B`` kills A so, and B
+when the survivors have shrunk their communicator the first time (in the recovery); ``A>>B``
+kills B when the survivors start rebuilding their groups. Every rank
 prints ``committed S
 DIGEST`` after each step it commits, and ``restored S DIGEST`` once recovery has put back the
 state of step S, where DIGEST is a SHA-256 of its model and optimizer state (every tensor's
@@ -65,14 +67,16 @@ def say(line: str) -> None:
     sys.stdout.flush()
 
 
-def patch(kill_ranks: List[int], kill_step: int, during: str, in_recovery: List[int]) -> None:
+def patch(kill_ranks: List[int], kill_step: int, during: str, in_recovery: List[int],
+          in_rebuild: List[int]) -> None:
     """Kill ``kill_ranks`` in their step ``kill_step + 1`` (``during`` is ``"step"``) or in the
-    validation after step ``kill_step`` (``"validation"``), and ``in_recovery`` after the
-    survivors' first shrink; report commits and restores."""
-    step, commit = loop.Run.train_step, recovery.Rollback.commit
+    validation after step ``kill_step`` (``"validation"``), ``in_recovery`` after the
+    survivors' first shrink and ``in_rebuild`` when they start rebuilding their groups; report
+    commits and restores."""
+    step, commit, build = loop.Run.train_step, recovery.Rollback.commit, loop.Run._build
     restore, validate = recovery.Rollback.restore, loop.Run._validate
     shrink = fault_tolerance.shrink
-    recovered, started = [], []
+    recovered, started, builds = [], [], []
 
     def shrinking(comm):
         shrunk = shrink(comm)
@@ -81,17 +85,26 @@ def patch(kill_ranks: List[int], kill_step: int, during: str, in_recovery: List[
             os.kill(os.getpid(), signal.SIGKILL)
         return shrunk
 
-    def kill_at(number: int, now: str) -> None:
+    def building(run, world):
+        if builds and MPI.COMM_WORLD.Get_rank() in in_rebuild:
+            say(f"killing in the rebuild at {time.time():.6f}")
+            os.kill(os.getpid(), signal.SIGKILL)
+        builds.append(world)
+        return build(run, world)
+
+    def kill_at(run, number: int, now: str) -> None:
         if (number, now) == (kill_step, during) and MPI.COMM_WORLD.Get_rank() in kill_ranks:
+            if run._rollback is not None:   # step STEP is committed once its copies arrived
+                run._rollback.settle()
             say(f"killing at {time.time():.6f}")
             os.kill(os.getpid(), signal.SIGKILL)
 
     def validating(run):
-        kill_at(run.history.step, "validation")
+        kill_at(run, run.history.step, "validation")
         return validate(run)
 
     def stepping(run, number):
-        kill_at(number, "step")
+        kill_at(run, number, "step")
         loss = step(run, number)
         if not started:
             say(f"first step at {time.time():.6f}")
@@ -110,7 +123,7 @@ def patch(kill_ranks: List[int], kill_step: int, during: str, in_recovery: List[
         say(f"restored {number} {digest(strategy)}")
         recovered.append(number)
 
-    loop.Run.train_step, loop.Run._validate = stepping, validating
+    loop.Run.train_step, loop.Run._validate, loop.Run._build = stepping, validating, building
     recovery.Rollback.commit, recovery.Rollback.restore = committing, restoring
     fault_tolerance.shrink = shrinking
 
@@ -121,6 +134,8 @@ def ranks(listed: str) -> List[int]:
 
 if __name__ == "__main__":
     first, _, later = sys.argv[1].partition(">")
+    rebuild = later.startswith(">")
     at, _, during = sys.argv[2].partition("/")
-    patch(ranks(first), int(at), during or "step", ranks(later))
+    patch(ranks(first), int(at), during or "step", [] if rebuild else ranks(later),
+          ranks(later[1:]) if rebuild else [])
     sys.exit(main(["train", *sys.argv[3:]]))

@@ -5,7 +5,7 @@ committed (every second step, ``--recover-every 2``), with their model and optim
 for bit as it was then, and finish every step on 3 ranks. The same for rank 1 of a 3-rank ZeRO
 job, killed in a validation, whose optimizer shard comes back from the copy on its partner (rank
 2), for a whole simulated node of a 4-rank ZeRO job, and for a second rank lost during the
-recovery. Where recovery cannot work (PowerSGD's error feedback, each rank's own; a rank and its
+recovery or as the groups are rebuilt. Where recovery cannot work (PowerSGD's error feedback, each rank's own; a rank and its
 partner lost together), every survivor says why and exits with status 86. The first three jobs
 run side by side. All are launched with the ``openmpi5`` lane's mpiexec from the 1-rank pass of
 whichever lane runs the tests."""
@@ -45,11 +45,14 @@ def _lines(output: str, what: str) -> dict:
 
 
 def _start(folder, ranks: int, killed: List[int], done: int, every: int, steps: int,
-           options: List[str], during: str, nodes=None, then: List[int] = ()) -> subprocess.Popen:
+           options: List[str], during: str, nodes=None, then: List[int] = (),
+           then_in: str = "recovery") -> subprocess.Popen:
     """The recovery job in ``folder`` (its output in the files ``out`` and ``err`` there);
-    ``then``: ranks killed in the recovery from the first loss."""
+    ``then``: ranks killed in the recovery from the first loss (``then_in`` ``"recovery"``:
+    after the first shrink; ``"rebuild"``: as the groups are rebuilt)."""
     folder.mkdir(exist_ok=True)
-    spec = ",".join(map(str, killed)) + (">" + ",".join(map(str, then)) if then else "")
+    later = (">>" if then_in == "rebuild" else ">") + ",".join(map(str, then))
+    spec = ",".join(map(str, killed)) + (later if then else "")
     with open(folder / "out", "w") as out, open(folder / "err", "w") as err:
         return ulfm_lane.start(ranks, [JOB, spec, f"{done}/{during}",
                                        "--recover-every", str(every), "--steps", str(steps),
@@ -118,6 +121,19 @@ def test_a_rank_lost_during_the_recovery_is_survived(tmp_path):
     settings = (4, [3], 2, 1, 4, ["--optimizer", "zero"], "step")
     code = _start(tmp_path, *settings, then=[1]).wait(timeout=100)
     _recovered(tmp_path, _output(tmp_path), code, 4, [1, 3], *settings[2:5])
+
+
+@only_in_single_rank_run
+@pytest.mark.skipif(ulfm_lane.missing() is not None, reason=str(ulfm_lane.missing()))
+@pytest.mark.timeout(120)
+def test_a_rank_lost_while_the_groups_are_rebuilt_is_survived(tmp_path):
+    """World rank 3 of a 4-rank ZeRO job killed in a step, then rank 1 as the survivors start
+    rebuilding their groups: they shrink again and go on with 2 ranks from the same step."""
+    settings = (4, [3], 2, 1, 4, ["--optimizer", "zero"], "step")
+    code = _start(tmp_path, *settings, then=[1], then_in="rebuild").wait(timeout=100)
+    output = _output(tmp_path)
+    _recovered(tmp_path, output, code, 4, [1, 3], *settings[2:5])
+    assert "killing in the rebuild" in output
 
 
 @only_in_single_rank_run
