@@ -9,13 +9,13 @@ these are what the layers above use instead of ``comm.allgather``, ``comm.Barrie
 """
 from __future__ import annotations
 
-import time
 from typing import Any, List, Optional, Sequence, TypeVar
 
 import numpy as np
 
 from . import trace, watchdog
 from .mpi import MPI
+from .polling import LONGEST_PAUSE_S, poll_until
 
 __all__ = ["agree_flag", "all_gather_array", "all_gather_object", "all_reduce_array",
            "all_reduce_object", "barrier", "broadcast_array", "broadcast_object", "gather_array", "gather_object",
@@ -23,8 +23,6 @@ __all__ = ["agree_flag", "all_gather_array", "all_gather_object", "all_reduce_ar
 
 T = TypeVar("T")
 
-LONGEST_PAUSE_S = 1e-3
-"""The longest sleep between two tests of :func:`quiet_barrier`, by default."""
 BACKGROUND_PAUSE_S = 2e-4
 """The longest sleep of :func:`quiet_barrier` on a communication thread beside the backward pass
 (DDP's reductions, ZeRO's overlapped step): short, so that a bucket's collective starts soon
@@ -112,12 +110,8 @@ def barrier(comm: MPI.Intracomm) -> None:
 
 def quiet_barrier(comm: MPI.Intracomm, longest_pause: float = LONGEST_PAUSE_S) -> None:
     """Wait until every rank of ``comm`` has arrived, testing a nonblocking barrier between
-    sleeps (10 us, doubling up to ``longest_pause`` seconds) instead of waiting inside MPI. For
-    a background thread, or one beside a busy one: its waits then leave the core, and MPI's
-    progress, to the other thread."""
+    sleeps (:func:`~.polling.poll_until`, up to ``longest_pause`` seconds) instead of waiting
+    inside MPI. For a background thread, or one beside a busy one: its waits then leave the
+    core, and MPI's progress, to the other thread."""
     with _watched("quiet_barrier", comm):
-        request = comm.Ibarrier()
-        pause = 1e-5
-        while not request.Test():
-            time.sleep(pause)
-            pause = min(2 * pause, longest_pause)
+        poll_until(comm.Ibarrier().Test, longest_pause)

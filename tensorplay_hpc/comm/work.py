@@ -1,33 +1,27 @@
 """Handles of nonblocking operations."""
 from __future__ import annotations
 
-import time
 from typing import Callable, List, Optional, Sequence
 
 from .mpi import MPI
+from .polling import poll_until
 
 from .trace import Record
 from .watchdog import watched
 from . import worker
 from .worker import Job
 
-__all__ = ["QUIET_PAUSE_S", "Work", "complete", "in_background"]
-
-QUIET_PAUSE_S = 1e-3
-"""The longest sleep between two tests of a quiet wait."""
+__all__ = ["Work", "complete", "in_background"]
 
 
 def _wait_all(requests: List[MPI.Request], quietly: bool = False) -> None:
-    """Wait for every request, inside MPI or, ``quietly``, testing them between sleeps (10 us,
-    doubling up to :data:`QUIET_PAUSE_S`); where one fails, raise its own error (``Waitall``
-    reports ``MPI_ERR_IN_STATUS`` for them all), so that a lost rank is told apart."""
+    """Wait for every request, inside MPI or, ``quietly``, testing them between sleeps
+    (:func:`~.polling.poll_until`); where one fails, raise its own error (``Waitall`` reports
+    ``MPI_ERR_IN_STATUS`` for them all), so that a lost rank is told apart."""
     statuses = [MPI.Status() for _ in requests]
     try:
         if quietly:
-            pause = 1e-5
-            while not MPI.Request.Testall(requests, statuses):
-                time.sleep(pause)
-                pause = min(2 * pause, QUIET_PAUSE_S)
+            poll_until(lambda: MPI.Request.Testall(requests, statuses))
         else:
             MPI.Request.Waitall(requests, statuses)
     except MPI.Exception as error:

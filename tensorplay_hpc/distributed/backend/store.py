@@ -21,12 +21,12 @@ import torch.distributed as dist
 from tensorplay_hpc.comm.small_collectives import barrier
 from tensorplay_hpc.comm.group import ProcessGroup
 from tensorplay_hpc.comm.mpi import MPI
+from tensorplay_hpc.comm.polling import poll_until
 
 __all__ = ["MPIStore"]
 
 _REQUEST = 1
 _FIRST_REPLY, _REPLY_TAGS = 2, 30000   # one tag per request in flight (MPI guarantees 32767)
-_LONGEST_PAUSE_S = 1e-3
 _DEFAULT_TIMEOUT = timedelta(minutes=30)
 
 
@@ -36,13 +36,9 @@ def _poll(comm: MPI.Intracomm, source: int, tag: int, deadline: Optional[float],
     and MPI's progress to the others): test, then sleep from 10 us up to 1 ms. ``None`` once
     ``deadline`` (a ``time.monotonic()`` value) passes or ``stop`` is set."""
     status = MPI.Status()
-    pause = 1e-5
-    while not comm.Iprobe(source, tag, status):
-        if (deadline is not None and time.monotonic() > deadline) or (stop and stop.is_set()):
-            return None
-        time.sleep(pause)
-        pause = min(2 * pause, _LONGEST_PAUSE_S)
-    return status
+    found = poll_until(lambda: comm.Iprobe(source, tag, status), give_up=lambda: (
+        (deadline is not None and time.monotonic() > deadline) or (stop and stop.is_set())))
+    return status if found else None
 
 
 class _Keeper:
