@@ -3,10 +3,10 @@
 Each world rank of RANKS (one, or several joined by commas: a whole node) kills itself with
 SIGKILL in step STEP + 1 (after committing step STEP, once its partner copies have arrived), as
 a crash would end it; with STEP given as ``N/validation``, in the validation after step N
-instead. RANKS ``A>B`` kills A so, and B
-when the survivors have shrunk their communicator the first time (in the recovery); ``A>>B``
-kills B when the survivors start rebuilding their groups. Every rank
-prints ``committed S
+instead; as ``N/copies``, in step N + 1 with its copies of step N held back (their exchange not
+begun). RANKS ``A>B`` kills A so, and B when the survivors have shrunk their communicator the
+first time (in the recovery); ``A>>B`` kills B when the survivors start rebuilding their
+groups. Every rank prints ``committed S
 DIGEST`` after each step it commits, and ``restored S DIGEST`` once recovery has put back the
 state of step S, where DIGEST is a SHA-256 of its model and optimizer state (every tensor's
 bytes). The kill prints ``killing at T`` with the time (``time.time()``), the first step of the
@@ -25,6 +25,7 @@ import torch
 from tensorplay_hpc.__main__ import main
 from tensorplay_hpc.comm import fault_tolerance
 from tensorplay_hpc.comm.mpi import MPI
+from tensorplay_hpc.comm.partner_copies import PartnerCopies
 from tensorplay_hpc.distributed.optim import ZeroRedundancyOptimizer
 from tensorplay_hpc.train import loop, recovery
 
@@ -69,10 +70,14 @@ def say(line: str) -> None:
 
 def patch(kill_ranks: List[int], kill_step: int, during: str, in_recovery: List[int],
           in_rebuild: List[int]) -> None:
-    """Kill ``kill_ranks`` in their step ``kill_step + 1`` (``during`` is ``"step"``) or in the
-    validation after step ``kill_step`` (``"validation"``), ``in_recovery`` after the
-    survivors' first shrink and ``in_rebuild`` when they start rebuilding their groups; report
-    commits and restores."""
+    """Kill ``kill_ranks`` in their step ``kill_step + 1`` (``during`` is ``"step"``, or
+    ``"copies"`` with their copies of step ``kill_step`` held back) or in the validation after
+    step ``kill_step`` (``"validation"``), ``in_recovery`` after the survivors' first shrink and
+    ``in_rebuild`` when they start rebuilding their groups; report commits and restores."""
+    held_back = during == "copies" and MPI.COMM_WORLD.Get_rank() in kill_ranks
+    keep = PartnerCopies.keep
+    if held_back:
+        during = "step"
     step, commit, build = loop.Run.train_step, recovery.Rollback.commit, loop.Run._build
     restore, validate = recovery.Rollback.restore, loop.Run._validate
     shrink = fault_tolerance.shrink
@@ -92,9 +97,13 @@ def patch(kill_ranks: List[int], kill_step: int, during: str, in_recovery: List[
         builds.append(world)
         return build(run, world)
 
+    def holding_back(copies, number, payload):
+        if number != kill_step:   # those of kill_step never leave: the kill comes first
+            keep(copies, number, payload)
+
     def kill_at(run, number: int, now: str) -> None:
         if (number, now) == (kill_step, during) and MPI.COMM_WORLD.Get_rank() in kill_ranks:
-            if run._rollback is not None:   # step STEP is committed once its copies arrived
+            if run._rollback is not None and not held_back:   # its copies arrive first
                 run._rollback.settle()
             say(f"killing at {time.time():.6f}")
             os.kill(os.getpid(), signal.SIGKILL)
@@ -126,6 +135,8 @@ def patch(kill_ranks: List[int], kill_step: int, during: str, in_recovery: List[
     loop.Run.train_step, loop.Run._validate, loop.Run._build = stepping, validating, building
     recovery.Rollback.commit, recovery.Rollback.restore = committing, restoring
     fault_tolerance.shrink = shrinking
+    if held_back:
+        PartnerCopies.keep = holding_back
 
 
 def ranks(listed: str) -> List[int]:

@@ -5,13 +5,14 @@ committed (every second step, ``--recover-every 2``), with their model and optim
 for bit as it was then, and finish every step on 3 ranks. The same for rank 1 of a 3-rank ZeRO
 job, killed in a validation, whose optimizer shard comes back from the copy on its partner (rank
 2), for a whole simulated node of a 4-rank ZeRO job, and for a second rank lost during the
-recovery or as the groups are rebuilt. Where recovery cannot work (PowerSGD's error feedback, each rank's own; a rank and its
+recovery or as the groups are rebuilt, and for a rank killed before its copies of the last commit
+left it (the survivors go back one commit further). Where recovery cannot work (PowerSGD's error feedback, each rank's own; a rank and its
 partner lost together), every survivor says why and exits with status 86. The first three jobs
 run side by side. All are launched with the ``openmpi5`` lane's mpiexec from the 1-rank pass of
 whichever lane runs the tests."""
 import re
 import subprocess
-from typing import List
+from typing import List, Optional
 
 import pytest
 import torch
@@ -126,6 +127,18 @@ def test_a_rank_lost_during_the_recovery_is_survived(tmp_path):
 @only_in_single_rank_run
 @pytest.mark.skipif(ulfm_lane.missing() is not None, reason=str(ulfm_lane.missing()))
 @pytest.mark.timeout(120)
+def test_copies_still_travelling_are_not_relied_on(tmp_path):
+    """World rank 1 of a 3-rank ZeRO job killed in step 3 before its copies of step 2 left it:
+    its partner (rank 2) never holds them, so the survivors go back one commit further, to
+    step 1, with the state they had then."""
+    settings = (3, [1], 2, 1, 4, ["--optimizer", "zero"], "copies")
+    code = _start(tmp_path, *settings).wait(timeout=100)
+    _recovered(tmp_path, _output(tmp_path), code, *settings[:5], at=1)
+
+
+@only_in_single_rank_run
+@pytest.mark.skipif(ulfm_lane.missing() is not None, reason=str(ulfm_lane.missing()))
+@pytest.mark.timeout(120)
 def test_a_rank_lost_while_the_groups_are_rebuilt_is_survived(tmp_path):
     """World rank 3 of a 4-rank ZeRO job killed in a step, then rank 1 as the survivors start
     rebuilding their groups: they shrink again and go on with 2 ranks from the same step."""
@@ -152,9 +165,10 @@ def test_a_rank_and_its_partner_lost_together_end_the_job(tmp_path):
 
 
 def _recovered(folder, output: str, code: int, ranks: int, killed: List[int], done: int,
-               every: int, steps: int) -> None:
+               every: int, steps: int, at: Optional[int] = None) -> None:
     """The job of ``folder`` lost the ranks ``killed`` in their step ``done + 1``, committing
-    every ``every`` steps, and went on from the last commit to the end."""
+    every ``every`` steps, and went on from the last commit to the end (or from step ``at``,
+    where the last commit's copies had not arrived)."""
     assert code == 0, output[-5000:]
     survivors = [r for r in range(ranks) if r not in killed]
     committed, restored = _lines(output, "committed"), _lines(output, "restored")
@@ -163,7 +177,7 @@ def _recovered(folder, output: str, code: int, ranks: int, killed: List[int], do
     # is in rank 0's digest, its shards put together from the survivors and the copies).
     for rank in killed:
         assert sorted(s for r, s in committed if r == rank) == list(range(0, done + 1, every))
-    at = done - done % every
+    at = done - done % every if at is None else at
     assert set(restored) == {(r, at) for r in survivors}, output[-5000:]
     for rank in survivors:
         assert restored[rank, at] == committed[rank, at]
