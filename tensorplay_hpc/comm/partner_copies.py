@@ -70,7 +70,18 @@ class PartnerCopies:
         tensor, not to be changed afterwards) to the partner and receiving the backed ranks'
         bytes of ``step``, once the exchange of the previous :meth:`keep` has ended (raising what
         ended it otherwise); returns at once where MPI lets threads call it, else once the bytes
-        are in place. :meth:`settle` waits for them. Collective."""
+        are in place. :meth:`settle` waits for them. Collective.
+
+        Raises:
+            TypeError: ``payload`` is not a 1-D ``uint8`` CPU tensor (checked here, not on the
+                worker, so that the error reaches the caller at once).
+        """
+        if not (isinstance(payload, torch.Tensor) and payload.dtype == torch.uint8
+                and payload.dim() == 1 and payload.device.type == "cpu"):
+            kind = (f"a {payload.dim()}-D {payload.dtype} tensor on {payload.device}"
+                    if isinstance(payload, torch.Tensor) else type(payload).__name__)
+            raise TypeError(f"PartnerCopies.keep: the payload of step {step} must be a 1-D "
+                            f"uint8 CPU tensor, got {kind} (world rank {self.world_rank})")
         self.settle()
         self._travelling = in_background(self._group.comm, lambda: self._exchange(step, payload))
 

@@ -73,3 +73,17 @@ def test_keep_returns_while_the_bytes_travel():
             assert torch.equal(copies.held(rank, 1), _payload(rank, 1))
     finally:
         copies.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_payload_that_is_not_bytes_is_refused_at_once():
+    world = MPI.COMM_WORLD
+    copies = PartnerCopies(world)
+    try:
+        with pytest.raises(TypeError, match=rf"payload of step 4 must be a 1-D uint8 CPU tensor, "
+                                            rf"got a 1-D torch.float32 tensor on cpu \(world rank "
+                                            rf"{world.rank}\)"):
+            copies.keep(4, torch.ones(3))
+        assert copies.steps == []
+    finally:
+        copies.close()
