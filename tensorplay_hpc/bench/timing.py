@@ -43,8 +43,9 @@ def interleaved(fns: Sequence[Callable[[], object]], repeat: int = 7, warmup: in
                 comm: Optional[MPI.Intracomm] = None) -> List[List[float]]:
     """``repeat`` samples of seconds per call of each function, after ``warmup`` calls: one
     round after another, each round timing every function once, starting with the next one in
-    turn, so that none always runs right after the same other one (a gloo call, say, whose
-    threads linger). Collective over ``comm`` (default world); each sample is the slowest
+    turn and, every other round, in reverse order, so that none always runs right after the
+    same other one (a gloo call, say, whose threads linger): rotation alone keeps each
+    function's predecessor. Collective over ``comm`` (default world); each sample is the slowest
     rank's."""
     comm = comm or MPI.COMM_WORLD
     batches = []
@@ -55,7 +56,7 @@ def interleaved(fns: Sequence[Callable[[], object]], repeat: int = 7, warmup: in
         batches.append(comm.allreduce(min(calls, 1000), op=MPI.MAX))
     samples: List[List[float]] = [[] for _ in fns]
     for round_ in range(repeat):
-        for i in range(len(fns)):
-            k = (round_ + i) % len(fns)
+        order = [(round_ + i) % len(fns) for i in range(len(fns))]
+        for k in reversed(order) if round_ % 2 else order:
             samples[k].append(_timed(fns[k], batches[k], comm))
     return samples

@@ -11,7 +11,7 @@ allreduce in 4 MiB pieces measured 2-4x faster than one call on 64 MiB on a shar
 from __future__ import annotations
 
 import os
-from typing import Iterator, Tuple
+from typing import Iterable, Tuple
 
 from .environment import read_once
 
@@ -47,14 +47,12 @@ def piece_elements(element_size: int) -> int:
     return max(1, min(chunk_elements(), _piece_bytes() // element_size))
 
 
-def chunks(count: int, limit: int | None = None) -> Iterator[Tuple[int, int]]:
+def chunks(count: int, limit: int | None = None) -> Iterable[Tuple[int, int]]:
     """``(start, length)`` pieces covering ``range(count)``, each at most ``limit`` long.
 
     An empty message still yields one empty piece, so every rank makes the same calls.
     """
     limit = limit or chunk_elements()
-    if count == 0:
-        yield 0, 0
-        return
-    for start in range(0, count, limit):
-        yield start, min(limit, count - start)
+    if count <= limit:   # the common case, at the cost of a small collective's own work
+        return ((0, count),)
+    return ((start, min(limit, count - start)) for start in range(0, count, limit))

@@ -107,25 +107,36 @@ def all_reduce(tensor: torch.Tensor, comm: MPI.Intracomm, op: ReduceOp = ReduceO
     if in_half and op not in (ReduceOp.SUM, ReduceOp.AVG):
         raise ValueError(f"all_reduce in_dtype: {tensor.dtype} tensors are only summed or "
                          f"averaged in their own type, not {op.name} (rank {comm.Get_rank()})")
-    staged = Staged(tensor, reduce=not in_half)
-    work = staged.work
-    mpi_op = half_sum_op(tensor.dtype) if in_half else reduce_op(work.dtype, op)
     average = op is ReduceOp.AVG
+    datatype = None if async_op or in_half or average else direct_datatype(tensor)
+    if datatype is not None and tensor.numel() <= piece_elements(tensor.element_size()):
+        # the common case at once: one call on the tensor's own memory
+        staged, work, mpi_op = None, tensor, reduce_op(tensor.dtype, op)
+        pieces = [[memory(tensor), tensor.numel(), datatype]]
+    else:
+        staged = Staged(tensor, reduce=not in_half)
+        work = staged.work
+        mpi_op = half_sum_op(tensor.dtype) if in_half else reduce_op(work.dtype, op)
+        limit = None if async_op else piece_elements(work.element_size())
+        pieces = [staged.buf(start, n) for start, n in chunks(staged.count, limit)]
     size = comm.Get_size()
     if debug_enabled():   # tested here, since a call costs as much as a small collective
-        check_collective(comm, "all_reduce", count=staged.count, dtype=tensor.dtype, op=op)
+        check_collective(comm, "all_reduce", count=work.numel(), dtype=tensor.dtype, op=op)
     requests = []
     record = trace.collective("all_reduce", comm, tensor.nbytes, async_op)
     with watched("all_reduce", comm, record):
         if async_op:
-            for start, n in chunks(staged.count):
-                requests.append(comm.Iallreduce(MPI.IN_PLACE, staged.buf(start, n), mpi_op))
+            for piece in pieces:
+                requests.append(comm.Iallreduce(MPI.IN_PLACE, piece, mpi_op))
         else:
-            flat = work.view(-1) if average else work
-            for start, n in chunks(staged.count, piece_elements(work.element_size())):
-                comm.Allreduce(MPI.IN_PLACE, staged.buf(start, n), mpi_op)
+            flat, start = work.view(-1) if average else None, 0
+            for piece in pieces:
+                comm.Allreduce(MPI.IN_PLACE, piece, mpi_op)
                 if average:
-                    flat[start:start + n].div_(size)
+                    flat[start:start + piece[1]].div_(size)
+                    start += piece[1]
+    if staged is None:
+        return None
 
     def finish() -> None:
         if average and async_op:
@@ -291,14 +302,16 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, comm: MPI.Intracom
     ``r``. Parts have ``counts[r]`` elements (equal parts when ``counts`` is ``None``)."""
     if not isinstance(output, torch.Tensor) or not isinstance(input, torch.Tensor):
         _refuse("reduce_scatter", comm, output, input)
-    op = ReduceOp(op)
+    if type(op) is not ReduceOp:
+        op = ReduceOp(op)
     size, rank = comm.Get_size(), comm.Get_rank()
     if counts is None:
         if input.numel() % size:
             raise ValueError(f"reduce_scatter: {input.numel()} elements do not split evenly "
                              f"over {size} ranks (rank {rank})")
         counts = [input.numel() // size] * size
-    counts = _check_counts(counts, comm, input.numel(), "reduce_scatter")
+    else:
+        counts = _check_counts(counts, comm, input.numel(), "reduce_scatter")
     if output.numel() != counts[rank]:
         raise ValueError(f"reduce_scatter: rank {rank} output has {output.numel()} elements, "
                          f"counts say {counts[rank]}")

@@ -95,6 +95,8 @@ class Staged:
         """An mpi4py buffer specification ``[memory, count, datatype]`` for a range of elements."""
         if count is None:
             count = self.count - start
+        if not start and count == self.count:
+            return [memory(self.work), count, self.datatype]
         return [memory(self.work, start, count), count, self.datatype]
 
     def finish(self) -> torch.Tensor:
