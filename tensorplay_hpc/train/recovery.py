@@ -1,8 +1,8 @@
 """``--recover``: the training job survives a lost rank without leaving the allocation.
 
 A step is *committed* once every rank has agreed on its loss (the allreduce that ends each
-step) and, where a rank alone holds part of the state (ZeRO's optimizer shards), a copy of that
-part sits in the memory of a partner rank on another node
+step) and, where a rank alone holds part of the state (ZeRO's optimizer shards, PowerSGD's error
+feedback), a copy of that part sits in the memory of a partner rank on another node
 (:class:`~tensorplay_hpc.comm.partner_copies.PartnerCopies`); the copy travels in the
 background, during the next step. Each rank keeps, in memory, its model and optimizer state
 after the last two steps it committed (never more than one step apart across ranks: a rank
@@ -13,7 +13,10 @@ rank dies, the library's collectives raise
 (:mod:`tensorplay_hpc.comm.fault_tolerance`); the survivors shrink the job's communicator
 (agreeing on who is gone), take the newest step that every survivor committed, put the lost
 shards of that step back together from the partners' copies, restore that state, and the run
-rebuilds its groups and re-splits the data over the smaller world.
+rebuilds its groups and re-splits the data over the smaller world. A lost rank's PowerSGD error
+feedback (the part of its gradients that compression has not delivered yet) joins its partner's,
+and every survivor's is scaled by survivors / ranks before, so that the correction still due,
+the mean of the ranks' errors, is the same on fewer ranks.
 
 Where that cannot work, every survivor says why and exits with :data:`EXIT_UNRECOVERABLE`, so
 a batch script requeues the job from its last checkpoint, as after any failure.
@@ -23,7 +26,7 @@ from __future__ import annotations
 import copy
 import pickle
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -35,10 +38,10 @@ from tensorplay_hpc.comm.small_collectives import all_gather_object
 from tensorplay_hpc.distributed.optim import ZeroRedundancyOptimizer
 
 from .config import TrainConfig
-from .strategy import Strategy
+from .strategy import POWER_SGD_PREFIX, Strategy
 
-__all__ = ["EXIT_UNRECOVERABLE", "RECOVERABLE", "Committed", "Rollback", "Shards",
-           "Unrecoverable", "refusal", "shard_bytes", "shard_from_bytes", "survive"]
+__all__ = ["EXIT_UNRECOVERABLE", "RECOVERABLE", "Committed", "Rollback", "Unrecoverable",
+           "refusal", "shard_bytes", "shard_from_bytes", "survive"]
 
 EXIT_UNRECOVERABLE = 86
 """Exit status of every survivor of a lost rank that could not go on: requeue the job (it
@@ -46,7 +49,11 @@ resumes from its last checkpoint)."""
 
 RECOVERABLE = ("ddp", "local", "postlocal", "zero")
 """The ``--optimizer`` kinds the survivors of a lost rank go on with: those whose state every
-rank holds whole (replicated), and ZeRO, whose shards have copies on partner ranks."""
+rank holds whole (replicated), and ZeRO, whose shards have copies on partner ranks; with any
+``--comm-hook``."""
+
+_SHARD = "optimizer"   # a ZeRO rank's own optimizer state, in what its partner keeps
+_ERROR_FEEDBACK = POWER_SGD_PREFIX + "error_dict."   # PowerSGD's, in the hook's state
 
 
 _COPIED_STEPS = 3
@@ -65,9 +72,6 @@ def refusal(config: TrainConfig, survivors: Optional[int] = None) -> Optional[st
         return (f"--optimizer {config.optimizer} keeps state that each rank holds alone "
                 "(shards, or replicas trained apart) without copies on partner ranks: a lost "
                 f"rank's part is gone (in-job recovery covers {', '.join(RECOVERABLE)})")
-    if config.comm_hook != "none":
-        return (f"--comm-hook {config.comm_hook} keeps state of each rank's own (PowerSGD's "
-                "error feedback) or of the node layout that is not rebuilt yet")
     if survivors is not None:
         if survivors < config.min_ranks:
             return (f"{survivors} ranks survive, fewer than --min-ranks {config.min_ranks}")
@@ -81,26 +85,22 @@ def refusal(config: TrainConfig, survivors: Optional[int] = None) -> Optional[st
 
 
 @dataclass
-class Shards:
-    """A ZeRO optimizer's state as the ranks hold it: ``owned``, the state of this rank's
-    parameters by global index as :func:`shard_bytes` packs it (the bytes its partner also
-    gets), and the hyperparameters of every group."""
-
-    owned: torch.Tensor
-    param_groups: List[Dict[str, Any]]
-
-
-@dataclass
 class Committed:
-    """This rank's model and optimizer state after ``step``, copied: the optimizer's whole
-    ``state_dict()``, or its :class:`Shards`."""
+    """This rank's state after ``step``, copied: the model's; the optimizer's (its whole
+    ``state_dict()``, or a ZeRO optimizer's ``param_groups`` alone until
+    :meth:`Rollback.reassemble` puts the shards together); the communication hook's
+    (:meth:`~.strategy.Strategy.hook_extra`); and ``own``, what this rank alone holds (ZeRO's
+    shard, PowerSGD's error feedback) as :func:`shard_bytes` packs it, the bytes its partner
+    also keeps: ``None`` when there is nothing, or once reassembled."""
 
     step: int
     model: Dict[str, torch.Tensor]
-    optimizer: Union[Dict[str, Any], Shards]
+    optimizer: Dict[str, Any]
+    hook: Dict[str, Any]
+    own: Optional[torch.Tensor] = None
 
 
-def shard_bytes(state: Dict[int, Dict[Any, Any]]) -> torch.Tensor:
+def shard_bytes(state: Dict[Any, Any]) -> torch.Tensor:
     """``state``'s tensors as one flat byte buffer, after a description of its structure (a
     few bytes per tensor). Local."""
     skeleton, tensors = nested_state.flatten(state)
@@ -111,7 +111,7 @@ def shard_bytes(state: Dict[int, Dict[Any, Any]]) -> torch.Tensor:
     return torch.cat([length, torch.frombuffer(bytearray(described), dtype=torch.uint8), *flat])
 
 
-def shard_from_bytes(payload: torch.Tensor) -> Dict[int, Dict[Any, Any]]:
+def shard_from_bytes(payload: torch.Tensor) -> Dict[Any, Any]:
     """The state :func:`shard_bytes` made ``payload`` of. Local."""
     length = int(payload[:8].view(torch.int64)[0])
     skeleton, shapes = pickle.loads(payload[8:8 + length].numpy().tobytes())
@@ -125,38 +125,42 @@ def shard_from_bytes(payload: torch.Tensor) -> Dict[int, Dict[Any, Any]]:
 
 class Rollback:
     """The state of the last steps this rank committed, kept in memory (two, three with
-    copies), and copies of the ZeRO shards of the ranks it backs. Local, except :meth:`commit`
-    of a sharded optimizer."""
+    copies), and copies of what the ranks it backs alone hold. Local, except :meth:`commit`
+    where ranks hold state of their own."""
 
     def __init__(self) -> None:
         self.kept: List[Committed] = []
         self.copies: Optional[PartnerCopies] = None
-        self._copies_of: Optional[ZeroRedundancyOptimizer] = None
+        self._copies_of: Optional[Strategy] = None
 
     def commit(self, step: int, strategy: Strategy) -> None:
-        """Keep a copy of the state after ``step``, dropping the oldest. With a ZeRO optimizer
-        on two ranks or more, collective: the partners start exchanging shards (once those of
-        the previous commit have arrived)."""
+        """Keep a copy of the state after ``step``, dropping the oldest. Where ranks hold state
+        of their own (a ZeRO optimizer, PowerSGD's error feedback) on two ranks or more,
+        collective: the partners start exchanging it (once that of the previous commit has
+        arrived)."""
         model = {k: v.detach().clone() for k, v in strategy.module.state_dict().items()}
-        optimizer = strategy.optimizer
+        optimizer, hook = strategy.optimizer, strategy.hook_extra()
+        own: Dict[str, Any] = {k: v for k, v in hook.items() if k.startswith(_ERROR_FEEDBACK)}
         if isinstance(optimizer, ZeroRedundancyOptimizer):
-            state: Union[Dict[str, Any], Shards] = Shards(shard_bytes(optimizer.owned_state()),
-                                                          optimizer.indexed_param_groups())
-            copies = self._partner_copies(optimizer)
-            if copies is not None:
-                copies.keep(step, state.owned)
+            own[_SHARD] = optimizer.owned_state()
+            state = {"param_groups": optimizer.indexed_param_groups()}
         else:
             state = copy.deepcopy(optimizer.state_dict())
+        payload = shard_bytes(own) if own else None
+        copies = self._partner_copies(strategy) if own else None
+        if copies is not None:
+            copies.keep(step, payload)
         older = 1 if self.copies is None else _COPIED_STEPS - 1
-        self.kept = [*self.kept[-older:], Committed(step, model, state)]
+        self.kept = [*self.kept[-older:], Committed(step, model, state, hook, payload)]
 
-    def _partner_copies(self, optimizer: ZeroRedundancyOptimizer) -> Optional[PartnerCopies]:
-        """The copies among ``optimizer``'s ranks (new ones after a recovery rebuilt it)."""
-        if self._copies_of is not optimizer:
+    def _partner_copies(self, strategy: Strategy) -> Optional[PartnerCopies]:
+        """The copies among the ranks of ``strategy``'s data-parallel model (new ones after a
+        recovery rebuilt it)."""
+        if self._copies_of is not strategy:
             if self.copies is not None and not fault_tolerance.is_revoked(self.copies.comm):
                 self.copies.close()
-            self._copies_of = optimizer
-            group = optimizer.join_process_group
+            self._copies_of = strategy
+            group = strategy.model.join_process_group
             self.copies = (PartnerCopies(group, depth=_COPIED_STEPS) if group.Get_size() > 1
                            else None)
         return self.copies
@@ -184,7 +188,7 @@ class Rollback:
         """The steps kept here whose whole state this rank can give after losing world ranks
         ``lost``: its own, and the copies of the lost ranks it backs. Local."""
         backed = [r for r in lost if self.copies is not None and r in self.copies.backed]
-        return [c.step for c in self.kept if isinstance(c.optimizer, dict) or all(
+        return [c.step for c in self.kept if c.own is None or all(
             self.copies.held(r, c.step) is not None for r in backed)]
 
     def at(self, step: int) -> Committed:
@@ -201,27 +205,36 @@ class Rollback:
 
     @property
     def sharded(self) -> List[int]:
-        """The steps kept here as this rank's shard only (not yet reassembled). Local."""
-        return [c.step for c in self.kept if isinstance(c.optimizer, Shards)]
+        """The steps kept here with state of this rank's own that is not yet reassembled.
+        Local."""
+        return [c.step for c in self.kept if c.own is not None]
 
     def reassemble(self, step: int, lost: List[int], survivors: MPI.Intracomm) -> None:
-        """Replace the shards kept for ``step`` by the whole optimizer state of that step: each
-        survivor's own shard and its copies of lost ranks' shards, gathered. Collective over
-        ``survivors`` (a rank that holds the whole state already, from a recovery cut short by
-        another lost rank, takes part and adds nothing)."""
+        """Make the state kept for ``step`` what the survivors go on with. A ZeRO optimizer's
+        shards become its whole state: each survivor's own and its copies of the lost ranks',
+        gathered. PowerSGD's error feedback takes in the copies of the lost ranks' and is scaled
+        by survivors / ranks before (see the module's note). Collective over ``survivors`` (a
+        rank that did so already, in a recovery cut short by another lost rank, takes part and
+        adds nothing)."""
         committed = self.at(step)
         parts: Dict[int, Dict[Any, Any]] = {}
-        if isinstance(committed.optimizer, Shards):
-            parts = shard_from_bytes(committed.optimizer.owned)
-            for rank in lost:
-                if self.copies is not None and rank in self.copies.backed:
-                    parts.update(shard_from_bytes(self.copies.held(rank, step)))
+        if committed.own is not None:
+            own = shard_from_bytes(committed.own)
+            theirs = [shard_from_bytes(self.copies.held(rank, step)) for rank in lost
+                      if self.copies is not None and rank in self.copies.backed]
+            parts = own.get(_SHARD, {})
+            kept = survivors.Get_size() / (survivors.Get_size() + len(lost))
+            for key, error in own.items():
+                if key != _SHARD:
+                    committed.hook[key] = sum((t[key] for t in theirs), error).mul_(kept)
+            for copied in theirs:
+                parts.update(copied.get(_SHARD, {}))
         state: Dict[int, Dict[Any, Any]] = {}
         for gathered in all_gather_object(parts, survivors):
             state.update(gathered)
-        if isinstance(committed.optimizer, Shards):
-            committed.optimizer = {"state": dict(sorted(state.items())),
-                                   "param_groups": committed.optimizer.param_groups}
+        if committed.own is not None and "state" not in committed.optimizer:
+            committed.optimizer = {"state": dict(sorted(state.items())), **committed.optimizer}
+        committed.own = None
 
     def restore(self, step: int, strategy: Strategy) -> None:
         """Load the state kept for ``step`` into ``strategy``'s model and optimizer (copies:
@@ -229,7 +242,7 @@ class Rollback:
         committed = self.at(step)
         strategy.module.load_state_dict(committed.model)
         strategy.optimizer.load_state_dict(copy.deepcopy(committed.optimizer))
-        strategy.resumed_at(step, {})
+        strategy.resumed_at(step, committed.hook)
 
 
 def survive(world: MPI.Intracomm, rollback: Rollback) -> Tuple[MPI.Intracomm, List[int], int]:
@@ -242,8 +255,8 @@ def survive(world: MPI.Intracomm, rollback: Rollback) -> Tuple[MPI.Intracomm, Li
     A rank lost while the survivors recover makes them shrink ``world`` again, without it.
 
     Raises:
-        Unrecoverable: on every survivor, when a lost rank's shard and its copy were both lost,
-            or no step is held whole by every survivor.
+        Unrecoverable: on every survivor, when a lost rank's own state and its copy were both
+            lost, or no step is held whole by every survivor.
     """
     fault_tolerance.revoke_all(also=[world])
     rollback.settle()
@@ -252,7 +265,7 @@ def survive(world: MPI.Intracomm, rollback: Rollback) -> Tuple[MPI.Intracomm, Li
         partners = rollback.copies.partners if rollback.copies is not None else {}
         for rank in lost:
             if partners.get(rank) in lost:
-                raise Unrecoverable(f"world rank {rank}'s shard and its copy on world rank "
+                raise Unrecoverable(f"world rank {rank}'s own state and its copy on world rank "
                                     f"{partners[rank]} were both lost")
         try:
             held = all_gather_object((rollback.supplies(lost), rollback.sharded), survivors)

@@ -6,19 +6,20 @@ a crash would end it; with STEP given as ``N/validation``, in the validation aft
 instead; as ``N/copies``, in step N + 1 with its copies of step N held back (their exchange not
 begun). RANKS ``A>B`` kills A so, and B when the survivors have shrunk their communicator the
 first time (in the recovery); ``A>>B`` kills B when the survivors start rebuilding their
-groups. Every rank prints ``committed S
-DIGEST`` after each step it commits, and ``restored S DIGEST`` once recovery has put back the
-state of step S, where DIGEST is a SHA-256 of its model and optimizer state (every tensor's
-bytes). The kill prints ``killing at T`` with the time (``time.time()``), the first step of the
-process ``first step at T`` and the first step after recovery ``first step after recovery at
-T``. RANKS -1 kills no rank.
+groups. Every rank prints ``committed S DIGEST`` after each step it commits, and ``restored S
+DIGEST`` once recovery has put back the state of step S, where DIGEST is a SHA-256 of its model
+and optimizer state and of the communication hook's state but its error feedback (every
+tensor's bytes); with PowerSGD's error feedback, also ``committed errors S SUM`` and ``restored
+errors S SUM``, the sum of its elements (in float64). The kill prints ``killing at T`` with
+the time (``time.time()``), the first step of the process ``first step at T`` and the first
+step after recovery ``first step after recovery at T``. RANKS -1 kills no rank.
 """
 import hashlib
 import os
 import signal
 import sys
 import time
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -30,8 +31,16 @@ from tensorplay_hpc.distributed.optim import ZeroRedundancyOptimizer
 from tensorplay_hpc.train import loop, recovery
 
 
+def error_sum(strategy) -> Optional[float]:
+    """The sum of PowerSGD's error feedback, every element in float64 (``None`` without
+    PowerSGD or before it compresses)."""
+    errors = [v for k, v in strategy.hook_extra().items() if ".error_dict." in k]
+    return sum(e.double().sum().item() for e in errors) if errors else None
+
+
 def digest(strategy) -> str:
-    """A SHA-256 of the model's and the optimizer's state, bit for bit: every tensor's dtype,
+    """A SHA-256 of the model's, the optimizer's and the hook's state (but its error feedback,
+    which a recovery changes), bit for bit: every tensor's dtype,
     shape and bytes, and every other value, in a fixed order (not ``torch.save``'s bytes, which
     depend on how tensors share storage). A ZeRO optimizer's whole state is consolidated on its
     rank 0 (collective), where it goes in; the other ranks' digests cover the model only."""
@@ -58,7 +67,8 @@ def digest(strategy) -> str:
         else:
             hashed.update(repr(value).encode())
 
-    add({"model": strategy.module.state_dict(), "optimizer": whole})
+    hook = {k: v for k, v in strategy.hook_extra().items() if ".error_dict." not in k}
+    add({"model": strategy.module.state_dict(), "optimizer": whole, "hook": hook})
     return hashed.hexdigest()
 
 
@@ -126,10 +136,14 @@ def patch(kill_ranks: List[int], kill_step: int, during: str, in_recovery: List[
     def committing(rollback, number, strategy):
         commit(rollback, number, strategy)
         say(f"committed {number} {digest(strategy)}")
+        if error_sum(strategy) is not None:
+            say(f"committed errors {number} {error_sum(strategy)!r}")
 
     def restoring(rollback, number, strategy):
         restore(rollback, number, strategy)
         say(f"restored {number} {digest(strategy)}")
+        if error_sum(strategy) is not None:
+            say(f"restored errors {number} {error_sum(strategy)!r}")
         recovered.append(number)
 
     loop.Run.train_step, loop.Run._validate, loop.Run._build = stepping, validating, building

@@ -3,13 +3,14 @@ of a 4-rank post-local SGD job (DistributedDataParallel, its hook and a model av
 killed with SIGKILL in a chosen step; the survivors roll back to the newest step all of them
 committed (every second step, ``--recover-every 2``), with their model and optimizer state bit
 for bit as it was then, and finish every step on 3 ranks. The same for rank 1 of a 3-rank ZeRO
-job, killed in a validation, whose optimizer shard comes back from the copy on its partner (rank
-2), for a whole simulated node of a 4-rank ZeRO job, and for a second rank lost during the
-recovery or as the groups are rebuilt, and for a rank killed before its copies of the last commit
-left it (the survivors go back one commit further). Where recovery cannot work (PowerSGD's error feedback, each rank's own; a rank and its
-partner lost together), every survivor says why and exits with status 86. The first three jobs
-run side by side. All are launched with the ``openmpi5`` lane's mpiexec from the 1-rank pass of
-whichever lane runs the tests."""
+job with the hierarchical hook, killed in a validation, whose optimizer shard comes back from
+the copy on its partner (rank 2); for rank 1 of a 3-rank DDP job with PowerSGD, whose error
+feedback joins its partner's; for a whole simulated node of a 4-rank ZeRO job; for a second rank
+lost during the recovery or as the groups are rebuilt; and for a rank killed before its copies
+of the last commit left it (the survivors go back one commit further). Where recovery cannot
+work (a rank and its partner lost together), every survivor says why and exits with status 86.
+The first three jobs run side by side. All are launched with the ``openmpi5`` lane's mpiexec
+from the 1-rank pass of whichever lane runs the tests."""
 import re
 import subprocess
 from typing import List, Optional
@@ -33,16 +34,19 @@ CASES = {   # case: (ranks, ranks killed, steps done before the kill, steps betw
             #        steps, options, killed in)
     "postlocal": (4, [0], 5, 2, 8, ["--optimizer", "postlocal", "--warmup-steps", "2",
                                     "--average-period", "2"], "step"),
-    "zero": (3, [1], 2, 1, 4, ["--optimizer", "zero", "--eval-every", "2"], "validation"),
-    "powersgd": (3, [1], 2, 1, 4, ["--optimizer", "zero", "--comm-hook", "powersgd"], "step"),
+    "zero": (3, [1], 2, 1, 4, ["--optimizer", "zero", "--eval-every", "2", "--comm-hook",
+                               "hierarchical"], "validation"),
+    # PowerSGD compresses from its third step (its warm-up is 2 steps at the least)
+    "powersgd": (3, [1], 4, 1, 6, ["--optimizer", "ddp", "--comm-hook", "powersgd",
+                                  "--warmup-steps", "2"], "step"),
 }
-RECOVERED = ("postlocal", "zero")
 
 
-def _lines(output: str, what: str) -> dict:
-    """``{(world rank, step): digest}`` of the lines ``[world rank R] WHAT STEP DIGEST``."""
+def _lines(output: str, what: str, value: str = r"\w+") -> dict:
+    """``{(world rank, step): digest}`` of the lines ``[world rank R] WHAT STEP DIGEST`` (the
+    digest matching ``value``)."""
     return {(int(r), int(s)): d for r, s, d in
-            re.findall(rf"^\[world rank (\d+)\] {what} (\d+) (\w+)$", output, re.M)}
+            re.findall(rf"^\[world rank (\d+)\] {what} (\d+) ({value})$", output, re.M)}
 
 
 def _start(folder, ranks: int, killed: List[int], done: int, every: int, steps: int,
@@ -68,21 +72,25 @@ def _output(folder) -> str:
 @only_in_single_rank_run
 @pytest.mark.skipif(ulfm_lane.missing() is not None, reason=str(ulfm_lane.missing()))
 @pytest.mark.timeout(240)
-def test_a_killed_rank_is_survived_or_requeued(tmp_path):
+def test_a_killed_rank_is_survived(tmp_path):
     jobs = {case: _start(tmp_path / case, *settings) for case, settings in CASES.items()}
     codes = {case: job.wait(timeout=220) for case, job in jobs.items()}
-    outputs = {case: _output(tmp_path / case) for case in CASES}
+    for case, settings in CASES.items():
+        _recovered(tmp_path / case, _output(tmp_path / case), codes[case], *settings[:5])
 
-    for case in RECOVERED:
-        _recovered(tmp_path / case, outputs[case], codes[case], *CASES[case][:5])
-
-    ranks, (killed,) = CASES["powersgd"][:2]
-    output = outputs["powersgd"]
-    assert codes["powersgd"] == EXIT_UNRECOVERABLE, output[-5000:]
-    for rank in (r for r in range(ranks) if r != killed):
-        assert re.search(rf"world rank {rank}: --recover: cannot go on after losing a rank: "
-                         r"--comm-hook powersgd keeps state of each rank's own.*; exiting with "
-                         rf"status {EXIT_UNRECOVERABLE}", output), output[-5000:]
+    # PowerSGD: what compression still owes, the mean of the ranks' error feedback, is the same
+    # on the 2 survivors as it was on 3 ranks, the killed rank's error taken from its partner.
+    ranks, killed, step = CASES["powersgd"][:3]
+    output = _output(tmp_path / "powersgd")
+    committed = _lines(output, "committed errors", r"\S+")
+    restored = _lines(output, "restored errors", r"\S+")
+    assert {s for _, s in restored} == {step}, output[-5000:]
+    owed_before = sum(float(committed[r, step]) for r in range(ranks)) / ranks
+    owed_after = sum(float(e) for e in restored.values()) / len(restored)
+    assert owed_before != 0
+    # float32 errors scaled by 2/3, whose sum cancels: rounding shows at about 1e-5 of it
+    # (leaving out the killed rank's error, or the scaling, is off by a third)
+    assert owed_after == pytest.approx(owed_before, rel=1e-4)
 
 
 @only_in_single_rank_run
@@ -160,7 +168,7 @@ def test_a_rank_and_its_partner_lost_together_end_the_job(tmp_path):
     assert code == EXIT_UNRECOVERABLE, output[-5000:]
     for rank in (0, 3):
         assert (f"world rank {rank}: --recover: cannot go on after losing ranks: world rank 1's "
-                f"shard and its copy on world rank 2 were both lost; exiting with status "
+                f"own state and its copy on world rank 2 were both lost; exiting with status "
                 f"{EXIT_UNRECOVERABLE}") in output, output[-5000:]
 
 
@@ -208,8 +216,6 @@ def test_history_rolls_back_to_a_step():
 def test_recovery_refusals_say_why():
     assert refusal(TrainConfig(optimizer="fsdp")).startswith(
         "--optimizer fsdp keeps state that each rank holds alone")
-    assert refusal(TrainConfig(optimizer="ddp", comm_hook="powersgd")).startswith(
-        "--comm-hook powersgd keeps state")
     assert refusal(TrainConfig(optimizer="ddp", batch_size=32), survivors=3) == (
         "--batch-size 32 does not split over the 3 surviving ranks")
     assert refusal(TrainConfig(optimizer="local", min_ranks=4, batch_size=12), survivors=3) == (
