@@ -47,10 +47,11 @@ EXIT_UNRECOVERABLE = 86
 """Exit status of every survivor of a lost rank that could not go on: requeue the job (it
 resumes from its last checkpoint)."""
 
-RECOVERABLE = ("ddp", "local", "postlocal", "zero")
+RECOVERABLE = ("ddp", "diloco", "local", "postlocal", "zero")
 """The ``--optimizer`` kinds the survivors of a lost rank go on with: those whose state every
-rank holds whole (replicated), and ZeRO, whose shards have copies on partner ranks; with any
-``--comm-hook``."""
+rank holds whole (replicated) or that replicas train apart (post-local SGD, DiLoCo: a lost
+replica's progress not yet averaged is its own), and ZeRO, whose shards have copies on partner
+ranks; with any ``--comm-hook``."""
 
 _SHARD = "optimizer"   # a ZeRO rank's own optimizer state, in what its partner keeps
 _ERROR_FEEDBACK = POWER_SGD_PREFIX + "error_dict."   # PowerSGD's, in the hook's state
@@ -70,8 +71,8 @@ def refusal(config: TrainConfig, survivors: Optional[int] = None) -> Optional[st
     left, when known); ``None`` when it can. Local."""
     if config.optimizer not in RECOVERABLE:
         return (f"--optimizer {config.optimizer} keeps state that each rank holds alone "
-                "(shards, or replicas trained apart) without copies on partner ranks: a lost "
-                f"rank's part is gone (in-job recovery covers {', '.join(RECOVERABLE)})")
+                "(parameter shards) without copies on partner ranks: a lost rank's part is "
+                f"gone (in-job recovery covers {', '.join(RECOVERABLE)})")
     if survivors is not None:
         if survivors < config.min_ranks:
             return (f"{survivors} ranks survive, fewer than --min-ranks {config.min_ranks}")

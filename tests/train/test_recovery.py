@@ -5,11 +5,12 @@ committed (every second step, ``--recover-every 2``), with their model and optim
 for bit as it was then, and finish every step on 3 ranks. The same for rank 1 of a 3-rank ZeRO
 job with the hierarchical hook, killed in a validation, whose optimizer shard comes back from
 the copy on its partner (rank 2); for rank 1 of a 3-rank DDP job with PowerSGD, whose error
-feedback joins its partner's; for a whole simulated node of a 4-rank ZeRO job; for a second rank
-lost during the recovery or as the groups are rebuilt; and for a rank killed before its copies
-of the last commit left it (the survivors go back one commit further). Where recovery cannot
-work (a rank and its partner lost together), every survivor says why and exits with status 86.
-The first three jobs run side by side. All are launched with the ``openmpi5`` lane's mpiexec
+feedback joins its partner's; for rank 1 of a 3-rank DiLoCo job with a sync in flight; for a
+whole simulated node of a 4-rank ZeRO job; for a second rank lost during the recovery or as the
+groups are rebuilt; and for a rank killed before its copies of the last commit left it (the
+survivors go back one commit further). Where recovery cannot work (a rank and its partner lost
+together), every survivor says why and exits with status 86.
+The first four jobs run side by side. All are launched with the ``openmpi5`` lane's mpiexec
 from the 1-rank pass of whichever lane runs the tests."""
 import re
 import subprocess
@@ -39,6 +40,9 @@ CASES = {   # case: (ranks, ranks killed, steps done before the kill, steps betw
     # PowerSGD compresses from its third step (its warm-up is 2 steps at the least)
     "powersgd": (3, [1], 4, 1, 6, ["--optimizer", "ddp", "--comm-hook", "powersgd",
                                   "--warmup-steps", "2"], "step"),
+    # rolled back to a sync in flight (started after step 2, applied in step 3)
+    "diloco": (3, [1], 2, 1, 6, ["--optimizer", "diloco", "--sync-every", "2",
+                                "--overlap-steps", "1"], "step"),
 }
 
 
