@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
 __all__ = ["OwnRows", "ShardedTensorAdapter", "holds_sharded", "is_sharded", "load_model",
-           "local_part", "writers_share"]
+           "local_part", "own_rows", "whole_from_rows", "writers_share"]
 
 
 def is_sharded(tensor: Any) -> bool:
@@ -75,6 +75,40 @@ def local_part(full: torch.Tensor, like: "DTensor") -> torch.Tensor:
             start = min(coordinate[mesh_dim] * rows, part.size(dim))
             part = part.narrow(dim, start, min(rows, part.size(dim) - start))
     return part
+
+
+def own_rows(tensor: "DTensor") -> Tuple[int, torch.Tensor]:
+    """Where this rank's rows of ``tensor`` start and a copy of them, for a DTensor sharded on
+    its first dimension over a 1-D mesh (FSDP2's ``fully_shard`` on one mesh dimension). Local.
+
+    Raises:
+        ValueError: ``tensor`` is laid out otherwise.
+    """
+    from torch.distributed.tensor import Shard
+    if tensor.device_mesh.ndim != 1 or tensor.placements != (Shard(0),):
+        raise ValueError(f"rows of a DTensor sharded on dimension 0 of a 1-D mesh, not "
+                         f"{tensor.placements} on a {tensor.device_mesh.ndim}-D mesh")
+    rows = -(-tensor.size(0) // tensor.device_mesh.size())
+    start = min(tensor.device_mesh.get_coordinate()[0] * rows, tensor.size(0))
+    return start, tensor.to_local().detach().clone()
+
+
+def whole_from_rows(pieces: Sequence[Tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """The whole value whose every row is in one of ``pieces`` (``(start, rows)`` as
+    :func:`own_rows` gives them, in any order, a piece more than once allowed). Local.
+
+    Raises:
+        ValueError: rows are missing.
+    """
+    parts, end = [], 0
+    for start, rows in sorted(pieces, key=lambda piece: piece[0]):
+        if start < end and start + rows.size(0) <= end:
+            continue   # a copy of rows already taken
+        if start != end:
+            raise ValueError(f"rows {end} to {start} of the whole value are missing")
+        parts.append(rows)
+        end = start + rows.size(0)
+    return torch.cat(parts)
 
 
 class OwnRows:

@@ -4,15 +4,16 @@ node) for hybrid sharding."""
 from __future__ import annotations
 
 import math
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 import tensorplay_hpc.distributed  # noqa: F401  (registers the mpi4py backend)
 from tensorplay_hpc import comm
+from tensorplay_hpc.comm import fault_tolerance
 from tensorplay_hpc.comm.mpi import MPI
-from tensorplay_hpc.distributed.backend import BACKEND_NAME
+from tensorplay_hpc.distributed.backend import MPIProcessGroup, init_process_group
 
 __all__ = ["TorchDistributed", "hybrid_shape"]
 
@@ -42,31 +43,43 @@ def hybrid_shape(layout: comm.NodeLayout) -> Tuple[Tuple[Tuple[int, ...], ...], 
                   "rows of consecutive ranks, not nodes)")
 
 
+def _lost_a_rank() -> bool:
+    """Whether torch.distributed's default group is ours and lost a rank (its communicator
+    revoked). Local."""
+    default = dist.distributed_c10d._get_default_group()
+    return isinstance(default, MPIProcessGroup) and fault_tolerance.is_revoked(default.comm)
+
+
 class TorchDistributed(comm.Closeable):
-    """torch.distributed's default group on the ``mpi4py`` backend, started if no one started
-    it, and the device mesh for ``kind``. Collective: construct and :meth:`close` it on every
-    rank of ``MPI.COMM_WORLD``.
+    """torch.distributed's default group on the ``mpi4py`` backend over the ranks of ``world``
+    (default ``MPI.COMM_WORLD``), started if no one started it (or again, where the running one
+    lost a rank), and the device mesh for ``kind``. Collective: construct and :meth:`close` it
+    on every rank of ``world``.
 
     Attributes:
         mesh: the ``DeviceMesh`` (1-D for ``fsdp``; ``("replicate", "shard")`` for ``hsdp``).
         description: one line saying the mesh's shape.
     """
 
-    def __init__(self, kind: str, device_type: str) -> None:
+    def __init__(self, kind: str, device_type: str, world: Optional[MPI.Intracomm] = None) -> None:
         from torch.distributed.device_mesh import DeviceMesh
+        world = MPI.COMM_WORLD if world is None else world
+        if dist.is_initialized() and _lost_a_rank():
+            dist.destroy_process_group()   # to start again on the survivors
         self._started = not dist.is_initialized()
         if self._started:
-            dist.init_process_group(BACKEND_NAME)
+            init_process_group(world)
         size = dist.get_world_size()
         if kind == "fsdp":
             self.mesh = DeviceMesh(device_type, torch.arange(size), mesh_dim_names=("shard",))
             self.description = f"fsdp: parameters, gradients and optimizer state in {size} shards"
             return
-        rows, self.description = hybrid_shape(comm.NodeLayout(MPI.COMM_WORLD))
+        rows, self.description = hybrid_shape(comm.NodeLayout(world))
         self.mesh = DeviceMesh(device_type, torch.tensor(rows),
                                mesh_dim_names=("replicate", "shard"))
 
     def close(self) -> None:
-        """End torch.distributed, if this object started it. Collective."""
+        """End torch.distributed, if this object started it. Collective, but after a lost rank
+        (the groups' communicators revoked, left to ``MPI_Finalize``)."""
         if self._started and dist.is_initialized():
             dist.destroy_process_group()

@@ -26,11 +26,13 @@ from __future__ import annotations
 import copy
 import pickle
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
 from tensorplay_hpc.checkpoint import nested_state
+from tensorplay_hpc.checkpoint.sharded_tensors import (
+    OwnRows, holds_sharded, is_sharded, load_model, local_part, own_rows, whole_from_rows)
 from tensorplay_hpc.comm import capabilities, fault_tolerance
 from tensorplay_hpc.comm.mpi import MPI
 from tensorplay_hpc.comm.partner_copies import PartnerCopies
@@ -47,14 +49,17 @@ EXIT_UNRECOVERABLE = 86
 """Exit status of every survivor of a lost rank that could not go on: requeue the job (it
 resumes from its last checkpoint)."""
 
-RECOVERABLE = ("ddp", "diloco", "local", "postlocal", "zero")
+RECOVERABLE = ("ddp", "diloco", "fsdp", "local", "postlocal", "zero")
 """The ``--optimizer`` kinds the survivors of a lost rank go on with: those whose state every
 rank holds whole (replicated) or that replicas train apart (post-local SGD, DiLoCo: a lost
-replica's progress not yet averaged is its own), and ZeRO, whose shards have copies on partner
-ranks; with any ``--comm-hook``."""
+replica's progress not yet averaged is its own), and ZeRO and FSDP2, whose shards have copies
+on partner ranks; with any ``--comm-hook``."""
 
-_SHARD = "optimizer"   # a ZeRO rank's own optimizer state, in what its partner keeps
-_ERROR_FEEDBACK = POWER_SGD_PREFIX + "error_dict."   # PowerSGD's, in the hook's state
+# What a rank alone holds, as its partner keeps it: its optimizer state (ZeRO's shard, FSDP2's
+# rows), its rows of FSDP2's parameters, and PowerSGD's error feedback (the hook's entries).
+_SHARD, _ROWS = "optimizer", "model"
+_ERROR_FEEDBACK = POWER_SGD_PREFIX + "error_dict."
+_ROWS_FROM = "rows from"   # with "rows": a rank's rows of a sharded tensor
 
 
 _COPIED_STEPS = 3
@@ -70,9 +75,9 @@ def refusal(config: TrainConfig, survivors: Optional[int] = None) -> Optional[st
     """Why a run with ``config`` cannot continue after losing ranks (with ``survivors`` ranks
     left, when known); ``None`` when it can. Local."""
     if config.optimizer not in RECOVERABLE:
-        return (f"--optimizer {config.optimizer} keeps state that each rank holds alone "
-                "(parameter shards) without copies on partner ranks: a lost rank's part is "
-                f"gone (in-job recovery covers {', '.join(RECOVERABLE)})")
+        return (f"--optimizer {config.optimizer} shards a replica over each node's ranks: a "
+                "lost rank leaves its node short, and its 2-D mesh is not rebuilt (in-job "
+                f"recovery covers {', '.join(RECOVERABLE)})")
     if survivors is not None:
         if survivors < config.min_ranks:
             return (f"{survivors} ranks survive, fewer than --min-ranks {config.min_ranks}")
@@ -87,18 +92,39 @@ def refusal(config: TrainConfig, survivors: Optional[int] = None) -> Optional[st
 
 @dataclass
 class Committed:
-    """This rank's state after ``step``, copied: the model's; the optimizer's (its whole
-    ``state_dict()``, or a ZeRO optimizer's ``param_groups`` alone until
-    :meth:`Rollback.reassemble` puts the shards together); the communication hook's
-    (:meth:`~.strategy.Strategy.hook_extra`); and ``own``, what this rank alone holds (ZeRO's
-    shard, PowerSGD's error feedback) as :func:`shard_bytes` packs it, the bytes its partner
-    also keeps: ``None`` when there is nothing, or once reassembled."""
+    """This rank's state after ``step``, copied: the model's (but FSDP2's sharded parameters,
+    until :meth:`Rollback.reassemble` puts them together); the optimizer's (its whole
+    ``state_dict()``, or a sharded optimizer's ``param_groups`` alone until reassembled); the
+    communication hook's (:meth:`~.strategy.Strategy.hook_extra`); and ``own``, what this rank
+    alone holds (shards, PowerSGD's error feedback) as :func:`shard_bytes` packs it, the bytes
+    its partner also keeps: ``None`` when there is nothing, or once reassembled."""
 
     step: int
     model: Dict[str, torch.Tensor]
     optimizer: Dict[str, Any]
     hook: Dict[str, Any]
     own: Optional[torch.Tensor] = None
+
+
+def _rows(tensor: torch.Tensor) -> Dict[str, Any]:
+    """This rank's rows of a sharded tensor, and where they start. Local."""
+    start, rows = own_rows(tensor)
+    return {_ROWS_FROM: start, "rows": rows}
+
+
+def _merged(entries: Iterable[Dict[Any, Any]]) -> Dict[Any, Any]:
+    """The entries' keys in one dict: the rows of a sharded value (:func:`_rows`) from every
+    entry put together, other values taken as they are. Local."""
+    merged: Dict[Any, Any] = {}
+    pieces: Dict[Any, List[Tuple[int, torch.Tensor]]] = {}
+    for entry in entries:
+        for key, value in entry.items():
+            if isinstance(value, dict) and _ROWS_FROM in value:
+                pieces.setdefault(key, []).append((value[_ROWS_FROM], value["rows"]))
+            else:
+                merged[key] = value
+    merged.update((key, whole_from_rows(rows)) for key, rows in pieces.items())
+    return merged
 
 
 def shard_bytes(state: Dict[Any, Any]) -> torch.Tensor:
@@ -136,15 +162,26 @@ class Rollback:
 
     def commit(self, step: int, strategy: Strategy) -> None:
         """Keep a copy of the state after ``step``, dropping the oldest. Where ranks hold state
-        of their own (a ZeRO optimizer, PowerSGD's error feedback) on two ranks or more,
-        collective: the partners start exchanging it (once that of the previous commit has
-        arrived)."""
-        model = {k: v.detach().clone() for k, v in strategy.module.state_dict().items()}
+        of their own (ZeRO, FSDP2, PowerSGD's error feedback) on two ranks or more, collective:
+        the partners start exchanging it (once that of the previous commit has arrived)."""
+        model, rows = {}, {}
+        for name, value in strategy.module.state_dict().items():
+            if is_sharded(value):
+                rows[name] = _rows(value)
+            else:
+                model[name] = value.detach().clone()
         optimizer, hook = strategy.optimizer, strategy.hook_extra()
         own: Dict[str, Any] = {k: v for k, v in hook.items() if k.startswith(_ERROR_FEEDBACK)}
+        if rows:
+            own[_ROWS] = rows
         if isinstance(optimizer, ZeroRedundancyOptimizer):
             own[_SHARD] = optimizer.owned_state()
             state = {"param_groups": optimizer.indexed_param_groups()}
+        elif holds_sharded(optimizer):
+            whole = optimizer.state_dict()
+            own[_SHARD] = {index: {k: _rows(v) if is_sharded(v) else v for k, v in entry.items()}
+                           for index, entry in whole["state"].items()}
+            state = {"param_groups": copy.deepcopy(whole["param_groups"])}
         else:
             state = copy.deepcopy(optimizer.state_dict())
         payload = shard_bytes(own) if own else None
@@ -155,13 +192,12 @@ class Rollback:
         self.kept = [*self.kept[-older:], Committed(step, model, state, hook, payload)]
 
     def _partner_copies(self, strategy: Strategy) -> Optional[PartnerCopies]:
-        """The copies among the ranks of ``strategy``'s data-parallel model (new ones after a
-        recovery rebuilt it)."""
+        """The copies among ``strategy``'s ranks (new ones after a recovery rebuilt it)."""
         if self._copies_of is not strategy:
             if self.copies is not None and not fault_tolerance.is_revoked(self.copies.comm):
                 self.copies.close()
             self._copies_of = strategy
-            group = strategy.model.join_process_group
+            group = strategy.ranks
             self.copies = (PartnerCopies(group, depth=_COPIED_STEPS) if group.Get_size() > 1
                            else None)
         return self.copies
@@ -211,38 +247,52 @@ class Rollback:
         return [c.step for c in self.kept if c.own is not None]
 
     def reassemble(self, step: int, lost: List[int], survivors: MPI.Intracomm) -> None:
-        """Make the state kept for ``step`` what the survivors go on with. A ZeRO optimizer's
-        shards become its whole state: each survivor's own and its copies of the lost ranks',
-        gathered. PowerSGD's error feedback takes in the copies of the lost ranks' and is scaled
-        by survivors / ranks before (see the module's note). Collective over ``survivors`` (a
-        rank that did so already, in a recovery cut short by another lost rank, takes part and
-        adds nothing)."""
+        """Make the state kept for ``step`` what the survivors go on with. The shards (ZeRO's
+        optimizer state, FSDP2's parameters and optimizer state) become whole: each survivor's
+        own and its copies of the lost ranks', gathered. PowerSGD's error feedback takes in the
+        copies of the lost ranks' and is scaled by survivors / ranks before (see the module's
+        note). Collective over ``survivors`` (a rank that did so already, in a recovery cut
+        short by another lost rank, takes part and adds nothing)."""
         committed = self.at(step)
-        parts: Dict[int, Dict[Any, Any]] = {}
+        mine: Dict[str, List[Dict[Any, Any]]] = {}
         if committed.own is not None:
             own = shard_from_bytes(committed.own)
             theirs = [shard_from_bytes(self.copies.held(rank, step)) for rank in lost
                       if self.copies is not None and rank in self.copies.backed]
-            parts = own.get(_SHARD, {})
             kept = survivors.Get_size() / (survivors.Get_size() + len(lost))
             for key, error in own.items():
-                if key != _SHARD:
+                if key.startswith(_ERROR_FEEDBACK):
                     committed.hook[key] = sum((t[key] for t in theirs), error).mul_(kept)
-            for copied in theirs:
-                parts.update(copied.get(_SHARD, {}))
-        state: Dict[int, Dict[Any, Any]] = {}
-        for gathered in all_gather_object(parts, survivors):
-            state.update(gathered)
-        if committed.own is not None and "state" not in committed.optimizer:
-            committed.optimizer = {"state": dict(sorted(state.items())), **committed.optimizer}
+            mine = {part: [held[part] for held in (own, *theirs) if part in held]
+                    for part in (_ROWS, _SHARD)}
+        gathered = all_gather_object(mine, survivors)
+        if committed.own is not None:
+            states = [entry for parts in gathered for entry in parts.get(_SHARD, [])]
+            if states and "state" not in committed.optimizer:
+                indices = sorted({index for entry in states for index in entry})
+                committed.optimizer = {"state": {i: _merged(e[i] for e in states if i in e)
+                                                 for i in indices}, **committed.optimizer}
+            committed.model.update(_merged(
+                entry for parts in gathered for entry in parts.get(_ROWS, [])))
         committed.own = None
 
     def restore(self, step: int, strategy: Strategy) -> None:
         """Load the state kept for ``step`` into ``strategy``'s model and optimizer (copies:
         the kept state stays as it was)."""
         committed = self.at(step)
-        strategy.module.load_state_dict(committed.model)
-        strategy.optimizer.load_state_dict(copy.deepcopy(committed.optimizer))
+        own = strategy.module.state_dict()
+        load_model(strategy.module, {name: local_part(value, own[name]) if is_sharded(own[name])
+                                     else value for name, value in committed.model.items()})
+        state = copy.deepcopy(committed.optimizer)
+        if holds_sharded(strategy.optimizer):   # whole values to this rank's rows, as DTensors
+            params = [p for group in strategy.optimizer.param_groups for p in group["params"]]
+            rows = OwnRows({i: p for i, p in enumerate(params) if is_sharded(p)})
+            for index, entry in state["state"].items():
+                for key, value in entry.items():
+                    if (index in rows.targets and isinstance(value, torch.Tensor)
+                            and value.shape == params[index].shape):
+                        entry[key] = rows.wrap(index, rows.cut(index, value))
+        strategy.optimizer.load_state_dict(state)
         strategy.resumed_at(step, committed.hook)
 
 

@@ -72,6 +72,7 @@ class Strategy:
         optimizer: the optimizer to step (collective for every kind but a plain one).
         after_backward: runs after ``backward()`` (the ``local`` kind averages gradients here).
         owned: what holds library communicators, closed by :meth:`close`.
+        ranks: the communicator of the ranks that train together (set by :func:`build`).
     """
 
     module: nn.Module
@@ -79,6 +80,7 @@ class Strategy:
     optimizer: torch.optim.Optimizer
     after_backward: Callable[[], None]
     owned: List[comm.Closeable] = field(default_factory=list)
+    ranks: Optional[MPI.Intracomm] = None
     _hook_state: Optional[PostLocalSGDState] = None
     _power_sgd: Optional[PowerSGDState] = None
     _replicas: Optional[comm.ProcessGroup] = None
@@ -197,7 +199,7 @@ def _fully_sharded(module: nn.Module, config: TrainConfig, group: comm.ProcessGr
     # case the caller changes them in place; the loss only reads them.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     device_type = next(module.parameters()).device.type
-    torch_distributed = TorchDistributed(config.optimizer, device_type)
+    torch_distributed = TorchDistributed(config.optimizer, device_type, group.parent)
     if group.rank == 0:
         print(torch_distributed.description, flush=True)
     for block in module.blocks:
@@ -210,6 +212,12 @@ def _fully_sharded(module: nn.Module, config: TrainConfig, group: comm.ProcessGr
 def build(module: nn.Module, config: TrainConfig, group: comm.ProcessGroup) -> Strategy:
     """Wrap ``module`` and make the optimizer for ``config.optimizer``. Collective over
     ``group``."""
+    strategy = _build_kind(module, config, group)
+    strategy.ranks = group.parent
+    return strategy
+
+
+def _build_kind(module: nn.Module, config: TrainConfig, group: comm.ProcessGroup) -> Strategy:
     inner, defaults = INNER[config.inner], inner_defaults(config)
     if config.optimizer in ("fsdp", "hsdp"):
         return _fully_sharded(module, config, group)

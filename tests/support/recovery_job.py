@@ -24,6 +24,7 @@ from typing import List, Optional
 import torch
 
 from tensorplay_hpc.__main__ import main
+from tensorplay_hpc.checkpoint.sharded_tensors import is_sharded
 from tensorplay_hpc.comm import fault_tolerance
 from tensorplay_hpc.comm.mpi import MPI
 from tensorplay_hpc.comm.partner_copies import PartnerCopies
@@ -53,6 +54,8 @@ def digest(strategy) -> str:
         whole = optimizer.state_dict()
 
     def add(value) -> None:
+        if is_sharded(value):   # FSDP2's: whole (collective over its mesh)
+            value = value.full_tensor()
         if isinstance(value, torch.Tensor):
             data = value.detach().cpu().contiguous()
             hashed.update(f"{data.dtype}{tuple(data.shape)}".encode())

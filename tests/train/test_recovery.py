@@ -5,8 +5,8 @@ committed (every second step, ``--recover-every 2``), with their model and optim
 for bit as it was then, and finish every step on 3 ranks. The same for rank 1 of a 3-rank ZeRO
 job with the hierarchical hook, killed in a validation, whose optimizer shard comes back from
 the copy on its partner (rank 2); for rank 1 of a 3-rank DDP job with PowerSGD, whose error
-feedback joins its partner's; for rank 1 of a 3-rank DiLoCo job with a sync in flight; for a
-whole simulated node of a 4-rank ZeRO job; for a second rank lost during the recovery or as the
+feedback joins its partner's; for rank 1 of a 3-rank DiLoCo job with a sync in flight; for rank
+1 of a 3-rank FSDP2 job; for a whole simulated node of a 4-rank ZeRO job; for a second rank lost during the recovery or as the
 groups are rebuilt; and for a rank killed before its copies of the last commit left it (the
 survivors go back one commit further). Where recovery cannot work (a rank and its partner lost
 together), every survivor says why and exits with status 86.
@@ -110,12 +110,33 @@ def test_a_lost_node_is_survived(simulated_nodes, tmp_path):
     code = _start(tmp_path, *settings, nodes=simulated_nodes).wait(timeout=150)
     output = _output(tmp_path)
     _recovered(tmp_path, output, code, *settings[:5])
+    _resumes_alike(tmp_path, output, "zero")
 
-    again = tmp_path / "resumed"
+
+@only_in_single_rank_run
+@pytest.mark.skipif(ulfm_lane.missing() is not None, reason=str(ulfm_lane.missing()))
+@pytest.mark.timeout(180)
+def test_a_rank_of_fsdp2_is_survived(tmp_path):
+    """World rank 1 of a 3-rank FSDP2 job (ZeRO-3 over the mpi4py backend) killed in a step:
+    the survivors start torch.distributed again over their communicator, put every parameter
+    and optimizer state together from their rows and rank 1's rows on its partner, shard them
+    anew over 2 ranks and go on with the whole state of the step rank 1 last committed, bit for
+    bit. Their final checkpoint resumes on 3 ranks with the same state."""
+    settings = (3, [1], 2, 1, 4, ["--optimizer", "fsdp"], "step")
+    code = _start(tmp_path, *settings).wait(timeout=150)
+    output = _output(tmp_path)
+    _recovered(tmp_path, output, code, *settings[:5])
+    _resumes_alike(tmp_path, output, "fsdp")
+
+
+def _resumes_alike(folder, output: str, optimizer: str) -> None:
+    """The final checkpoint (step 4) of the run in ``folder`` resumes on 3 ranks with the
+    state, bit for bit, that the run's world rank 0 had at step 4."""
+    again = folder / "resumed"
     again.mkdir()
     with open(again / "out", "w") as out, open(again / "err", "w") as err:
-        code = ulfm_lane.start(3, [JOB, "-1", "0", "--optimizer", "zero", "--steps", "5",
-                                   "--resume", "--run-dir", str(tmp_path / "run"), *TINY],
+        code = ulfm_lane.start(3, [JOB, "-1", "0", "--optimizer", optimizer, "--steps", "5",
+                                   "--resume", "--run-dir", str(folder / "run"), *TINY],
                                out, err).wait(timeout=120)
     resumed = _output(again)
     assert code == 0, resumed[-5000:]
@@ -218,8 +239,8 @@ def test_history_rolls_back_to_a_step():
 
 
 def test_recovery_refusals_say_why():
-    assert refusal(TrainConfig(optimizer="fsdp")).startswith(
-        "--optimizer fsdp keeps state that each rank holds alone")
+    assert refusal(TrainConfig(optimizer="hsdp")).startswith(
+        "--optimizer hsdp shards a replica over each node's ranks")
     assert refusal(TrainConfig(optimizer="ddp", batch_size=32), survivors=3) == (
         "--batch-size 32 does not split over the 3 surviving ranks")
     assert refusal(TrainConfig(optimizer="local", min_ranks=4, batch_size=12), survivors=3) == (

@@ -14,7 +14,7 @@ and every operation runs on the comm layer (:mod:`.process_group`, :mod:`.work`)
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch.distributed as dist
 
@@ -26,12 +26,14 @@ from . import rendezvous
 from .process_group import BACKEND_NAME, MPIProcessGroup, UnsupportedOperation
 from .store import MPIStore
 
-__all__ = ["BACKEND_NAME", "MPIProcessGroup", "MPIStore", "UnsupportedOperation", "register"]
+__all__ = ["BACKEND_NAME", "MPIProcessGroup", "MPIStore", "UnsupportedOperation",
+           "init_process_group", "register"]
 
 
 def _world() -> MPI.Intracomm:
     """The communicator whose ranks are torch.distributed's global ranks: the default group's
-    when it is ours, else ``MPI.COMM_WORLD`` (whose ranks must then be the default group's)."""
+    when it is ours, else ``MPI.COMM_WORLD`` (whose ranks must then be the default group's), or
+    while it starts, the one :func:`init_process_group` was given."""
     if dist.is_initialized():
         default = dist.distributed_c10d._get_default_group()
         if isinstance(default, MPIProcessGroup):
@@ -43,7 +45,7 @@ def _world() -> MPI.Intracomm:
                 f" of {default.size()} is not MPI's world rank {world.Get_rank()} of "
                 f"{world.Get_size()}; start torch.distributed with the ranks MPI gives")
         return world
-    return MPI.COMM_WORLD
+    return rendezvous.chosen_world()
 
 
 def _create(options: Any, backend_options: Any) -> MPIProcessGroup:
@@ -72,6 +74,15 @@ def _create(options: Any, backend_options: Any) -> MPIProcessGroup:
                            f"{group.size}, torch.distributed expected {options.group_rank} of "
                            f"{options.group_size}")
     return MPIProcessGroup(group, name)
+
+
+def init_process_group(comm: Optional[MPI.Intracomm] = None, **options: Any) -> None:
+    """``dist.init_process_group("mpi4py")`` over the ranks of ``comm`` (default
+    ``MPI.COMM_WORLD``): its ranks become torch.distributed's global ranks, so that a job can
+    start torch.distributed again on the survivors of a lost rank. ``options`` go to
+    ``dist.init_process_group``. Collective over ``comm``."""
+    with rendezvous.world(comm):
+        dist.init_process_group(BACKEND_NAME, init_method=f"{rendezvous.SCHEME}://", **options)
 
 
 def register() -> None:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup as _C10dProcessGroup
 
-from tensorplay_hpc.comm import collectives, small_collectives
+from tensorplay_hpc.comm import collectives, fault_tolerance, small_collectives
 from tensorplay_hpc.comm.dtypes import ReduceOp
 from tensorplay_hpc.comm.group import ProcessGroup
 from tensorplay_hpc.comm.mpi import MPI
@@ -76,8 +76,10 @@ class MPIProcessGroup(_C10dProcessGroup):
         return BACKEND_NAME
 
     def shutdown(self) -> None:
-        """Free the communicator. Collective (``destroy_process_group`` calls it on every rank)."""
-        self._group.close()
+        """Free the communicator. Collective (``destroy_process_group`` calls it on every
+        rank), but after a lost rank: a revoked communicator is left to ``MPI_Finalize``."""
+        if not self._group.closed and not fault_tolerance.is_revoked(self._group.comm):
+            self._group.close()
 
     def abort(self) -> None:
         MPI.COMM_WORLD.Abort(1)

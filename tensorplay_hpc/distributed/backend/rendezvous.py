@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import os
 import urllib.parse
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
@@ -19,10 +20,29 @@ from tensorplay_hpc.comm.mpi import MPI
 
 from .store import MPIStore
 
-__all__ = ["SCHEME", "install"]
+__all__ = ["SCHEME", "chosen_world", "install", "world"]
 
 SCHEME = "mpi4py"
 """``init_method="mpi4py://"``."""
+
+_chosen: List[MPI.Intracomm] = []
+"""The communicator the group being started spans, while :func:`world` is given one."""
+
+
+@contextmanager
+def world(comm: Optional[MPI.Intracomm] = None) -> Iterator[MPI.Intracomm]:
+    """The communicator whose ranks torch.distributed starts with: within the block, ``comm``
+    (default ``MPI.COMM_WORLD``, which it is outside any block). Local."""
+    _chosen.append(MPI.COMM_WORLD if comm is None else comm)
+    try:
+        yield _chosen[-1]
+    finally:
+        _chosen.pop()
+
+
+def chosen_world() -> MPI.Intracomm:
+    """The communicator of the innermost :func:`world` block, else ``MPI.COMM_WORLD``."""
+    return _chosen[-1] if _chosen else MPI.COMM_WORLD
 
 _stores: List[MPIStore] = []
 """Every store handed to torch.distributed. c10d keeps only the C++ part of a store written in
@@ -31,11 +51,11 @@ Python; without a Python reference the rest would be collected and its methods l
 
 def _over_mpi(url: str, timeout: Optional[timedelta] = None,
               **kwargs: Any) -> Iterator[Tuple[dist.Store, int, int]]:
-    """Yield an MPI store over ``MPI.COMM_WORLD``, this process's rank and the world size;
-    a ``rank`` or ``world_size`` the caller gave (torch.distributed puts them in the URL's
+    """Yield an MPI store over the :func:`chosen_world`, this process's rank and the world
+    size; a ``rank`` or ``world_size`` the caller gave (torch.distributed puts them in the URL's
     query) must agree with MPI's."""
     query = urllib.parse.parse_qs(urllib.parse.urlparse(url).query)
-    world = MPI.COMM_WORLD
+    world = chosen_world()
     mpi_rank, mpi_size = world.Get_rank(), world.Get_size()
     for name, actual in (("rank", mpi_rank), ("world_size", mpi_size)):
         given = int(query.get(name, ["-1"])[0])

@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
+from tensorplay_hpc.comm import fault_tolerance
 from tensorplay_hpc.comm.small_collectives import barrier
 from tensorplay_hpc.comm.group import ProcessGroup
 from tensorplay_hpc.comm.mpi import MPI
@@ -59,7 +60,12 @@ class _Keeper:
 
     def _serve(self) -> None:
         while True:
-            status = _poll(self._comm, MPI.ANY_SOURCE, _REQUEST, None, self._stop)
+            try:
+                status = _poll(self._comm, MPI.ANY_SOURCE, _REQUEST, None, self._stop)
+            except MPI.Exception:
+                if fault_tolerance.is_revoked(self._comm):   # a rank was lost: no one asks
+                    return
+                raise
             if status is None:
                 return
             source = status.Get_source()
