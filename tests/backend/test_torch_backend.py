@@ -442,6 +442,13 @@ def test_init_process_group_across_nodes(simulated_nodes):
 
 
 @only_in_single_rank_run
+def test_init_process_group_over_a_part_of_the_world_and_again():
+    run = mpiexec(4, [JOB, "on_parts"], timeout=180)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "PARTS OK on 4 ranks" in run.stdout
+
+
+@only_in_single_rank_run
 def test_init_process_group_refuses_a_world_size_mpi_did_not_start():
     run = mpiexec(2, [JOB, "wrong_world_size"], timeout=120)
     assert run.returncode != 0

@@ -98,6 +98,37 @@ def one_rank_all_reduce() -> None:
     print("not reached", flush=True)
 
 
+def on_parts() -> None:
+    """torch.distributed over each half of the world (even and odd world ranks), a subgroup
+    and an FSDP2 step there, then again over the whole world: prints ``PARTS OK``."""
+    from mpi4py import MPI
+    from torch.distributed.fsdp import fully_shard
+    from tensorplay_hpc.distributed.backend import init_process_group
+    world = MPI.COMM_WORLD
+    part = world.Split(world.Get_rank() % 2, world.Get_rank())
+    init_process_group(part)
+    assert (dist.get_rank(), dist.get_world_size()) == (part.Get_rank(), part.Get_size())
+    total = torch.tensor([float(world.Get_rank())])
+    dist.all_reduce(total)
+    assert total.item() == sum(r for r in range(world.Get_size()) if r % 2 == world.Get_rank() % 2)
+    first = dist.new_group([0])
+    if dist.get_rank() == 0:
+        alone = torch.ones(1)
+        dist.all_reduce(alone, group=first)
+        assert alone.item() == 1.0
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (dist.get_world_size(),))
+    sharded = fully_shard(torch.nn.Linear(8, 8), mesh=mesh)
+    sharded(torch.ones(2, 8)).sum().backward()
+    dist.destroy_process_group()
+    part.Free()
+    init_process_group()
+    everyone = torch.ones(1)
+    dist.all_reduce(everyone)
+    assert everyone.item() == world.Get_size()
+    dist.destroy_process_group()
+    print(f"PARTS OK on {world.Get_size()} ranks", flush=True)
+
+
 if __name__ == "__main__":
-    {"main": main, "wrong_world_size": wrong_world_size,
+    {"main": main, "wrong_world_size": wrong_world_size, "on_parts": on_parts,
      "one_rank_all_reduce": one_rank_all_reduce}[sys.argv[1]]()
