@@ -6,15 +6,15 @@ before; the wait in the batch queue not counted). Both under the ``openmpi5`` la
 
     TENSORPLAY_MPI=openmpi5 source scripts/env.sh
     python tests/support/recovery_figures.py [--repeats 3] [--step 9] [--nodes]
-    python tests/support/recovery_figures.py --redundancy [--repeats 3]
+    python tests/support/recovery_figures.py --redundancy [--repeats 3] [--train "OPTIONS"]
 
 ``--nodes`` (as root) runs the jobs over 2 simulated nodes of 2 ranks and kills the second
 node's two ranks instead of one rank.
 
 ``--redundancy`` measures instead what ``--recover`` costs a 4-rank ``--optimizer zero`` job
-(the training job's default model, Adam) while nothing fails: its mean step time and the bytes
-each rank sends per step, without it, with a commit every step and every 4 steps, runs
-alternating.
+(the training job's default model, Adam; ``--train`` gives other training options, such as
+``"--optimizer fsdp"``) while nothing fails: its mean step time and the bytes each rank sends
+per step, without it, with a commit every step and every 4 steps, runs alternating.
 
 The requeued job writes a checkpoint every 3 steps (in the background), resumes from the newest
 complete one and repeats the steps after it, as a requeued job does; the recovered one writes
@@ -79,9 +79,9 @@ REDUNDANCY = {"without": [], "every step": ["--recover"],
 
 
 def step_cost(options: list, steps: int, folder: Path) -> tuple:
-    """The mean step time (s) and the mean bytes rank 0 sends per step of a 4-rank ZeRO job
-    with ``options``, without failures, from its ``metrics.csv`` (the last row's tokens/s is
-    the whole run's)."""
+    """The mean step time (s) and the mean bytes rank 0 sends per step of a 4-rank job (ZeRO
+    unless ``options`` say otherwise) with ``options``, without failures, from its
+    ``metrics.csv`` (the last row's tokens/s is the whole run's)."""
     args = ["-m", "tensorplay_hpc", "train", "--optimizer", "zero", "--inner", "adam",
             "--steps", str(steps), "--run-dir", str(folder), "--checkpoint-every", "0",
             "--eval-every", "0", "--eval-batches", "1", "--no-progress", "--log-every", "0",
@@ -96,19 +96,20 @@ def step_cost(options: list, steps: int, folder: Path) -> tuple:
     return tokens_per_step / float(rows[-1][3]), statistics.mean(int(r[4]) for r in rows)
 
 
-def redundancy(repeats: int) -> None:
+def redundancy(repeats: int, train: list) -> None:
     samples = {case: [] for case in REDUNDANCY}
     for repeat in range(repeats):
         for case, options in REDUNDANCY.items():
             with tempfile.TemporaryDirectory(dir="/var/tmp") as folder:
-                samples[case].append(step_cost(options, 40, Path(folder)))
+                samples[case].append(step_cost([*train, *options], 40, Path(folder)))
             print(f"--recover {case} {repeat}: {samples[case][-1][0] * 1e3:.1f} ms per step, "
                   f"{samples[case][-1][1]:.0f} bytes per rank and step", flush=True)
     times = {case: [t for t, _ in values] for case, values in samples.items()}
     baseline = statistics.median(times["without"])
     for case in list(REDUNDANCY)[1:]:
         ours = statistics.median(times[case])
-        print(json.dumps({"bench": "recovery", "case": f"zero step, --recover {case}",
+        print(json.dumps({"bench": "recovery", "case": f"step, --recover {case}",
+                          "train": " ".join(train),
                           "ranks": 4, "ours_s": ours, "baseline": "no --recover",
                           "baseline_s": baseline, "cost": ours / baseline - 1,
                           "bytes_per_rank_step": {c: v[0][1] for c, v in samples.items()},
@@ -121,13 +122,15 @@ def main() -> None:
     parser.add_argument("--step", type=int, default=9)
     parser.add_argument("--redundancy", action="store_true",
                         help="measure the cost of --recover without failures instead")
+    parser.add_argument("--train", default="",
+                        help="--redundancy: training options (default: --optimizer zero)")
     parser.add_argument("--nodes", action="store_true",
                         help="over 2 simulated nodes, killing the second node's ranks")
     options = parser.parse_args()
     if ulfm_lane.missing():
         sys.exit(ulfm_lane.missing())
     if options.redundancy:
-        return redundancy(options.repeats)
+        return redundancy(options.repeats, options.train.split())
     with SimulatedNodes(nodes=2, slots=2) if options.nodes else nullcontext() as nodes:
         times = {"recover": [], "requeue": []}
         for repeat in range(options.repeats):
