@@ -79,17 +79,21 @@ def local_part(full: torch.Tensor, like: "DTensor") -> torch.Tensor:
 
 def own_rows(tensor: "DTensor") -> Tuple[int, torch.Tensor]:
     """Where this rank's rows of ``tensor`` start and a copy of them, for a DTensor sharded on
-    its first dimension over a 1-D mesh (FSDP2's ``fully_shard`` on one mesh dimension). Local.
+    its first dimension over one mesh dimension and replicated over any others (FSDP2's
+    ``fully_shard``, hybrid sharding's too). Local.
 
     Raises:
         ValueError: ``tensor`` is laid out otherwise.
     """
     from torch.distributed.tensor import Shard
-    if tensor.device_mesh.ndim != 1 or tensor.placements != (Shard(0),):
-        raise ValueError(f"rows of a DTensor sharded on dimension 0 of a 1-D mesh, not "
-                         f"{tensor.placements} on a {tensor.device_mesh.ndim}-D mesh")
-    rows = -(-tensor.size(0) // tensor.device_mesh.size())
-    start = min(tensor.device_mesh.get_coordinate()[0] * rows, tensor.size(0))
+    sharded = [d for d, p in enumerate(tensor.placements) if p == Shard(0)]
+    if len(sharded) != 1 or not all(p == Shard(0) or p.is_replicate()
+                                    for p in tensor.placements):
+        raise ValueError(f"rows of a DTensor sharded on dimension 0 over one mesh dimension, "
+                         f"not {tensor.placements}")
+    mesh_dim = sharded[0]
+    rows = -(-tensor.size(0) // tensor.device_mesh.size(mesh_dim))
+    start = min(tensor.device_mesh.get_coordinate()[mesh_dim] * rows, tensor.size(0))
     return start, tensor.to_local().detach().clone()
 
 

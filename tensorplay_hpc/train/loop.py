@@ -378,11 +378,13 @@ class Run(comm.Closeable):
             except Unrecoverable as why:
                 raise Unrecoverable(f"--recover: cannot go on after losing ranks: {why}") from None
             gone = sorted(gone + newly_gone)
-            reason = refusal(self.config, survivors.Get_size())
-            if reason is not None:
-                raise Unrecoverable(f"--recover: cannot go on after losing world ranks {gone}: "
-                                    f"{reason}")
             try:
+                nodes = (NodeLayout(survivors).nodes if self.config.optimizer == "hsdp"
+                         else ())
+                reason = refusal(self.config, survivors.Get_size(), [len(n) for n in nodes])
+                if reason is not None:
+                    raise Unrecoverable(f"--recover: cannot go on after losing world ranks "
+                                        f"{gone}: {reason}")
                 self._build(survivors)
                 self._rollback.restore(step, self.strategy)
                 break

@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 import pickle
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -49,11 +49,12 @@ EXIT_UNRECOVERABLE = 86
 """Exit status of every survivor of a lost rank that could not go on: requeue the job (it
 resumes from its last checkpoint)."""
 
-RECOVERABLE = ("ddp", "diloco", "fsdp", "local", "postlocal", "zero")
+RECOVERABLE = ("ddp", "diloco", "fsdp", "hsdp", "local", "postlocal", "zero")
 """The ``--optimizer`` kinds the survivors of a lost rank go on with: those whose state every
 rank holds whole (replicated) or that replicas train apart (post-local SGD, DiLoCo: a lost
 replica's progress not yet averaged is its own), and ZeRO and FSDP2, whose shards have copies
-on partner ranks; with any ``--comm-hook``."""
+on partner ranks (hybrid sharding's on the other nodes' replicas, too); with any
+``--comm-hook``."""
 
 # What a rank alone holds, as its partner keeps it: its optimizer state (ZeRO's shard, FSDP2's
 # rows), its rows of FSDP2's parameters, and PowerSGD's error feedback (the hook's entries).
@@ -71,13 +72,16 @@ class Unrecoverable(RuntimeError):
     """The survivors of a lost rank cannot go on in this job; the message says why."""
 
 
-def refusal(config: TrainConfig, survivors: Optional[int] = None) -> Optional[str]:
+def refusal(config: TrainConfig, survivors: Optional[int] = None,
+            nodes: Sequence[int] = ()) -> Optional[str]:
     """Why a run with ``config`` cannot continue after losing ranks (with ``survivors`` ranks
-    left, when known); ``None`` when it can. Local."""
+    left, when known, on ``nodes`` holding so many ranks each); ``None`` when it can. Local."""
     if config.optimizer not in RECOVERABLE:
-        return (f"--optimizer {config.optimizer} shards a replica over each node's ranks: a "
-                "lost rank leaves its node short, and its 2-D mesh is not rebuilt (in-job "
+        return (f"--optimizer {config.optimizer} is not rebuilt after a lost rank (in-job "
                 f"recovery covers {', '.join(RECOVERABLE)})")
+    if config.optimizer == "hsdp" and len(set(nodes)) > 1:
+        return (f"--optimizer hsdp needs as many ranks on every node, and the survivors' "
+                f"nodes hold {', '.join(map(str, nodes))} (a whole node lost is survived)")
     if survivors is not None:
         if survivors < config.min_ranks:
             return (f"{survivors} ranks survive, fewer than --min-ranks {config.min_ranks}")

@@ -5,12 +5,14 @@ committed (every second step, ``--recover-every 2``), with their model and optim
 for bit as it was then, and finish every step on 3 ranks. The same for rank 1 of a 3-rank ZeRO
 job with the hierarchical hook, killed in a validation, whose optimizer shard comes back from
 the copy on its partner (rank 2); for rank 1 of a 3-rank DDP job with PowerSGD, whose error
-feedback joins its partner's; for rank 1 of a 3-rank DiLoCo job with a sync in flight; for rank
-1 of a 3-rank FSDP2 job; for a whole simulated node of a 4-rank ZeRO job; for a second rank lost during the recovery or as the
-groups are rebuilt; and for a rank killed before its copies of the last commit left it (the
-survivors go back one commit further). Where recovery cannot work (a rank and its partner lost
-together), every survivor says why and exits with status 86.
-The first four jobs run side by side. All are launched with the ``openmpi5`` lane's mpiexec
+feedback joins its partner's; for rank 1 of a 4-rank hybrid sharding job on one node; for rank 1
+of a 3-rank DiLoCo job with a sync in flight; for rank 1 of a 3-rank FSDP2 job; for a whole
+simulated node of a 4-rank ZeRO or hybrid sharding job; for a second rank lost during the
+recovery or as the groups are rebuilt; and for a rank killed before its copies of the last
+commit left it (the survivors go back one commit further). Where recovery cannot work (a rank
+and its partner lost together, hybrid sharding's nodes left uneven), every survivor says why
+and exits with status 86.
+The first five jobs run side by side. All are launched with the ``openmpi5`` lane's mpiexec
 from the 1-rank pass of whichever lane runs the tests."""
 import re
 import subprocess
@@ -40,6 +42,8 @@ CASES = {   # case: (ranks, ranks killed, steps done before the kill, steps betw
     # PowerSGD compresses from its third step (its warm-up is 2 steps at the least)
     "powersgd": (3, [1], 4, 1, 6, ["--optimizer", "ddp", "--comm-hook", "powersgd",
                                   "--warmup-steps", "2"], "step"),
+    # 2 replicas of 2 shards on one node: rank 1's rows are on rank 3 too; 3 shards after
+    "hsdp": (4, [1], 2, 1, 4, ["--optimizer", "hsdp"], "step"),
     # rolled back to a sync in flight (started after step 2, applied in step 3)
     "diloco": (3, [1], 2, 1, 6, ["--optimizer", "diloco", "--sync-every", "2",
                                 "--overlap-steps", "1"], "step"),
@@ -100,17 +104,19 @@ def test_a_killed_rank_is_survived(tmp_path):
 @only_in_single_rank_run
 @pytest.mark.skipif(ulfm_lane.missing() is not None, reason=str(ulfm_lane.missing()))
 @pytest.mark.timeout(180)
-def test_a_lost_node_is_survived(simulated_nodes, tmp_path):
-    """Both ranks of the second of 2 simulated nodes killed in one step of a 4-rank ZeRO job:
-    their shards come back from the copies on the first node (their partners, world ranks 0
-    and 1), and the 2 survivors finish the run (and end without MPI_Finalize, which would
-    wait for the lost node). Their final checkpoint resumes on 3 ranks of one node with the
-    same state, bit for bit."""
-    settings = (4, [2, 3], 2, 1, 4, ["--optimizer", "zero"], "step")
+@pytest.mark.parametrize("optimizer", ["zero", "hsdp"])
+def test_a_lost_node_is_survived(simulated_nodes, tmp_path, optimizer):
+    """Both ranks of the second of 2 simulated nodes killed in one step of a 4-rank job: ZeRO's
+    shards come back from the copies on the first node (their partners, world ranks 0 and 1);
+    hybrid sharding's replica on the first node holds them too, and the survivors shard it
+    again over their one node. The 2 survivors finish the run (and end without MPI_Finalize,
+    which would wait for the lost node). Their final checkpoint resumes on 3 ranks of one node
+    with the same state, bit for bit."""
+    settings = (4, [2, 3], 2, 1, 4, ["--optimizer", optimizer], "step")
     code = _start(tmp_path, *settings, nodes=simulated_nodes).wait(timeout=150)
     output = _output(tmp_path)
     _recovered(tmp_path, output, code, *settings[:5])
-    _resumes_alike(tmp_path, output, "zero")
+    _resumes_alike(tmp_path, output, optimizer)
 
 
 @only_in_single_rank_run
@@ -127,6 +133,24 @@ def test_a_rank_of_fsdp2_is_survived(tmp_path):
     output = _output(tmp_path)
     _recovered(tmp_path, output, code, *settings[:5])
     _resumes_alike(tmp_path, output, "fsdp")
+
+
+@only_in_single_rank_run
+@pytest.mark.skipif(ulfm_lane.missing() is not None, reason=str(ulfm_lane.missing()))
+@pytest.mark.timeout(180)
+def test_hybrid_sharding_refuses_nodes_left_uneven(simulated_nodes, tmp_path):
+    """World rank 3 of a 4-rank hybrid sharding job over 2 simulated nodes killed: the
+    survivors' nodes would hold 2 ranks and 1, which a (replicate, shard) mesh cannot take; every
+    survivor says so and exits with status 86."""
+    code = _start(tmp_path, 4, [3], 2, 1, 4, ["--optimizer", "hsdp"], "step",
+                  nodes=simulated_nodes).wait(timeout=150)
+    output = _output(tmp_path)
+    assert code == EXIT_UNRECOVERABLE, output[-5000:]
+    for rank in (0, 1, 2):
+        assert (f"world rank {rank}: --recover: cannot go on after losing world ranks [3]: "
+                f"--optimizer hsdp needs as many ranks on every node, and the survivors' nodes "
+                f"hold 2, 1 (a whole node lost is survived); exiting with status "
+                f"{EXIT_UNRECOVERABLE}") in output, output[-5000:]
 
 
 def _resumes_alike(folder, output: str, optimizer: str) -> None:
@@ -239,8 +263,9 @@ def test_history_rolls_back_to_a_step():
 
 
 def test_recovery_refusals_say_why():
-    assert refusal(TrainConfig(optimizer="hsdp")).startswith(
-        "--optimizer hsdp shards a replica over each node's ranks")
+    assert refusal(TrainConfig(optimizer="hsdp"), 3, [2, 1]) == (
+        "--optimizer hsdp needs as many ranks on every node, and the survivors' nodes hold 2, 1 "
+        "(a whole node lost is survived)")
     assert refusal(TrainConfig(optimizer="ddp", batch_size=32), survivors=3) == (
         "--batch-size 32 does not split over the 3 surviving ranks")
     assert refusal(TrainConfig(optimizer="local", min_ranks=4, batch_size=12), survivors=3) == (
