@@ -89,13 +89,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     option(machine, "--threads", "torch threads per rank, 0 for the node's cores over its ranks",
            type=int)
     option(machine, "--recover", "survive a lost rank in the job (ULFM: Open MPI 5 launched "
-           "with mpiexec --with-ft ulfm; ddp, local, postlocal and zero): the survivors roll "
+           "with mpiexec --with-ft ulfm; every --optimizer and --comm-hook): the survivors roll "
            "back to the newest step all of them committed and go on with fewer ranks; where "
            f"they cannot, they exit with status {EXIT_UNRECOVERABLE} (requeue)",
            action="store_true")
     option(machine, "--recover-every", "--recover: steps between commits (a commit keeps the "
-           "state in memory and sends ZeRO's shards to partner ranks); a recovery repeats the "
-           "steps since the last commit", type=int)
+           "state in memory and sends what each rank alone holds, such as shards, to a partner "
+           "rank); a recovery repeats the steps since the last commit", type=int)
     option(machine, "--min-ranks", "--recover: the fewest ranks to go on with", type=int)
     option(machine, "--collective-timeout", "seconds a collective may wait for the other ranks "
            "before the job is aborted with a report of the missing ranks, 0 for no watchdog",
