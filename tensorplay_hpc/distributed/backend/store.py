@@ -62,9 +62,9 @@ class _Keeper:
         while True:
             try:
                 status = _poll(self._comm, MPI.ANY_SOURCE, _REQUEST, None, self._stop)
-            except MPI.Exception:
-                if fault_tolerance.is_revoked(self._comm):   # a rank was lost: no one asks
-                    return
+            except MPI.Exception as error:
+                if fault_tolerance.is_process_failure(error):   # a rank was lost: the job's
+                    return                                       # survivors start a new store
                 raise
             if status is None:
                 return
