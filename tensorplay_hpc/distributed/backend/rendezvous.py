@@ -44,6 +44,7 @@ def chosen_world() -> MPI.Intracomm:
     """The communicator of the innermost :func:`world` block, else ``MPI.COMM_WORLD``."""
     return _chosen[-1] if _chosen else MPI.COMM_WORLD
 
+
 _stores: List[MPIStore] = []
 """Every store handed to torch.distributed. c10d keeps only the C++ part of a store written in
 Python; without a Python reference the rest would be collected and its methods lost."""
