@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
 __all__ = ["OwnRows", "ShardedTensorAdapter", "holds_sharded", "is_sharded", "load_model",
-           "local_part", "own_rows", "whole_from_rows", "writers_share"]
+           "local_part", "own_rows", "replicated_elsewhere", "whole_from_rows", "writers_share"]
 
 
 def is_sharded(tensor: Any) -> bool:
@@ -97,8 +97,15 @@ def own_rows(tensor: "DTensor") -> Tuple[int, torch.Tensor]:
     return start, tensor.to_local().detach().clone()
 
 
-def whole_from_rows(pieces: Sequence[Tuple[int, torch.Tensor]]) -> torch.Tensor:
-    """The whole value whose every row is in one of ``pieces`` (``(start, rows)`` as
+def replicated_elsewhere(tensor: "DTensor") -> bool:
+    """Whether other ranks hold the same rows of ``tensor`` as this rank (it is replicated over
+    a mesh dimension of two ranks or more, as hybrid sharding's replicas are). Local."""
+    return any(p.is_replicate() and tensor.device_mesh.size(d) > 1
+               for d, p in enumerate(tensor.placements))
+
+
+def whole_from_rows(pieces: Sequence[Tuple[int, torch.Tensor]], length: int) -> torch.Tensor:
+    """The whole value of ``length`` rows from ``pieces`` (``(start, rows)`` as
     :func:`own_rows` gives them, in any order, a piece more than once allowed). Local.
 
     Raises:
@@ -112,6 +119,8 @@ def whole_from_rows(pieces: Sequence[Tuple[int, torch.Tensor]]) -> torch.Tensor:
             raise ValueError(f"rows {end} to {start} of the whole value are missing")
         parts.append(rows)
         end = start + rows.size(0)
+    if end != length:
+        raise ValueError(f"rows {end} to {length} of the whole value are missing")
     return torch.cat(parts)
 
 

@@ -32,7 +32,8 @@ import torch
 
 from tensorplay_hpc.checkpoint import nested_state
 from tensorplay_hpc.checkpoint.sharded_tensors import (
-    OwnRows, holds_sharded, is_sharded, load_model, local_part, own_rows, whole_from_rows)
+    OwnRows, holds_sharded, is_sharded, load_model, local_part, own_rows, replicated_elsewhere,
+    whole_from_rows)
 from tensorplay_hpc.comm import capabilities, fault_tolerance
 from tensorplay_hpc.comm.mpi import MPI
 from tensorplay_hpc.comm.partner_copies import PartnerCopies
@@ -60,7 +61,7 @@ on partner ranks (hybrid sharding's on the other nodes' replicas, too); with any
 # rows), its rows of FSDP2's parameters, and PowerSGD's error feedback (the hook's entries).
 _SHARD, _ROWS = "optimizer", "model"
 _ERROR_FEEDBACK = POWER_SGD_PREFIX + "error_dict."
-_ROWS_FROM = "rows from"   # with "rows": a rank's rows of a sharded tensor
+_ROWS_FROM = "rows from"   # with "rows" and "of": a rank's rows of a sharded tensor of so many
 
 
 _COPIED_STEPS = 3
@@ -113,21 +114,31 @@ class Committed:
 def _rows(tensor: torch.Tensor) -> Dict[str, Any]:
     """This rank's rows of a sharded tensor, and where they start. Local."""
     start, rows = own_rows(tensor)
-    return {_ROWS_FROM: start, "rows": rows}
+    return {_ROWS_FROM: start, "rows": rows, "of": tensor.size(0)}
 
 
 def _merged(entries: Iterable[Dict[Any, Any]]) -> Dict[Any, Any]:
     """The entries' keys in one dict: the rows of a sharded value (:func:`_rows`) from every
-    entry put together, other values taken as they are. Local."""
+    entry put together, other values taken as they are. Local.
+
+    Raises:
+        Unrecoverable: rows of a value are held by no one (every replica of them lost).
+    """
     merged: Dict[Any, Any] = {}
     pieces: Dict[Any, List[Tuple[int, torch.Tensor]]] = {}
+    lengths: Dict[Any, int] = {}
     for entry in entries:
         for key, value in entry.items():
             if isinstance(value, dict) and _ROWS_FROM in value:
                 pieces.setdefault(key, []).append((value[_ROWS_FROM], value["rows"]))
+                lengths[key] = value["of"]
             else:
                 merged[key] = value
-    merged.update((key, whole_from_rows(rows)) for key, rows in pieces.items())
+    for key, rows in pieces.items():
+        try:
+            merged[key] = whole_from_rows(rows, lengths[key])
+        except ValueError as gap:
+            raise Unrecoverable(f"{key}: {gap}: every rank that held them was lost") from None
     return merged
 
 
@@ -168,10 +179,11 @@ class Rollback:
         """Keep a copy of the state after ``step``, dropping the oldest. Where ranks hold state
         of their own (ZeRO, FSDP2, PowerSGD's error feedback) on two ranks or more, collective:
         the partners start exchanging it (once that of the previous commit has arrived)."""
-        model, rows = {}, {}
+        model, rows, replicas = {}, {}, True
         for name, value in strategy.module.state_dict().items():
             if is_sharded(value):
                 rows[name] = _rows(value)
+                replicas = replicas and replicated_elsewhere(value)
             else:
                 model[name] = value.detach().clone()
         optimizer, hook = strategy.optimizer, strategy.hook_extra()
@@ -189,9 +201,11 @@ class Rollback:
         else:
             state = copy.deepcopy(optimizer.state_dict())
         payload = shard_bytes(own) if own else None
-        copies = self._partner_copies(strategy) if own else None
+        # Hybrid sharding's other replicas hold this rank's rows already: no copy of them.
+        sent = {k: v for k, v in own.items() if not (rows and replicas and k in (_ROWS, _SHARD))}
+        copies = self._partner_copies(strategy) if sent else None
         if copies is not None:
-            copies.keep(step, payload)
+            copies.keep(step, payload if sent.keys() == own.keys() else shard_bytes(sent))
         older = 1 if self.copies is None else _COPIED_STEPS - 1
         self.kept = [*self.kept[-older:], Committed(step, model, state, hook, payload)]
 
@@ -271,13 +285,13 @@ class Rollback:
                     for part in (_ROWS, _SHARD)}
         gathered = all_gather_object(mine, survivors)
         if committed.own is not None:
+            committed.model.update(_merged(
+                entry for parts in gathered for entry in parts.get(_ROWS, [])))
             states = [entry for parts in gathered for entry in parts.get(_SHARD, [])]
             if states and "state" not in committed.optimizer:
                 indices = sorted({index for entry in states for index in entry})
                 committed.optimizer = {"state": {i: _merged(e[i] for e in states if i in e)
                                                  for i in indices}, **committed.optimizer}
-            committed.model.update(_merged(
-                entry for parts in gathered for entry in parts.get(_ROWS, [])))
         committed.own = None
 
     def restore(self, step: int, strategy: Strategy) -> None:

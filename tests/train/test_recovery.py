@@ -153,6 +153,23 @@ def test_hybrid_sharding_refuses_nodes_left_uneven(simulated_nodes, tmp_path):
                 f"{EXIT_UNRECOVERABLE}") in output, output[-5000:]
 
 
+@only_in_single_rank_run
+@pytest.mark.skipif(ulfm_lane.missing() is not None, reason=str(ulfm_lane.missing()))
+@pytest.mark.timeout(120)
+def test_hybrid_sharding_with_every_copy_of_a_shard_lost_ends_the_job(tmp_path):
+    """World ranks 1 and 3 of a 4-rank hybrid sharding job on one node (replicas {0, 1} and
+    {2, 3}) killed in one step: both held the second shard, which hybrid sharding copies to no
+    partner (its replicas are the copies); both survivors say so and exit with status 86."""
+    code = _start(tmp_path, 4, [1, 3], 2, 1, 4, ["--optimizer", "hsdp"], "step").wait(timeout=100)
+    output = _output(tmp_path)
+    assert code == EXIT_UNRECOVERABLE, output[-5000:]
+    for rank in (0, 2):
+        assert re.search(rf"world rank {rank}: --recover: cannot go on after losing ranks: "
+                         r"[\w.]+weight: rows \d+ to \d+ of the whole value are missing: every "
+                         rf"rank that held them was lost; exiting with status {EXIT_UNRECOVERABLE}",
+                         output), output[-5000:]
+
+
 def _resumes_alike(folder, output: str, optimizer: str) -> None:
     """The final checkpoint (step 4) of the run in ``folder`` resumes on 3 ranks with the
     state, bit for bit, that the run's world rank 0 had at step 4."""
