@@ -80,11 +80,11 @@ class Strategy:
     optimizer: torch.optim.Optimizer
     after_backward: Callable[[], None]
     owned: List[comm.Closeable] = field(default_factory=list)
-    ranks: Optional[MPI.Intracomm] = None
     _hook_state: Optional[PostLocalSGDState] = None
     _power_sgd: Optional[PowerSGDState] = None
     _replicas: Optional[comm.ProcessGroup] = None
     _diloco: Optional[DiLoCoOptimizer] = None
+    ranks: Optional[MPI.Intracomm] = None
 
     def close(self) -> None:
         """Free the communicators of the model wrapper, the optimizer and the hook. Collective."""
@@ -255,5 +255,5 @@ def _build_kind(module: nn.Module, config: TrainConfig, group: comm.ProcessGroup
                                                process_group=group.parent)
     optimizer = PostLocalSGDOptimizer(inner(module.parameters(), **defaults), averager)
     return Strategy(module, model, optimizer, _gradients_already_averaged,
-                    [model, averager, state], state)
+                    [model, averager, state], _hook_state=state)
 
