@@ -33,7 +33,7 @@ def host_tensor(like: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torc
 def memory(tensor: torch.Tensor, start: int = 0, count: Optional[int] = None) -> MPI.buffer:
     """Zero-copy MPI memory for elements ``[start, start + count)`` of a contiguous tensor (all
     of it by default)."""
-    if count is None and not start:
+    if not start and (count is None or count == tensor.numel()):   # the common case at once
         return MPI.buffer.fromaddress(tensor.data_ptr(), tensor.nbytes)
     size = tensor.element_size()
     if count is None:
@@ -95,8 +95,6 @@ class Staged:
         """An mpi4py buffer specification ``[memory, count, datatype]`` for a range of elements."""
         if count is None:
             count = self.count - start
-        if not start and count == self.count:
-            return [memory(self.work), count, self.datatype]
         return [memory(self.work, start, count), count, self.datatype]
 
     def finish(self) -> torch.Tensor:
