@@ -78,9 +78,9 @@ def local_part(full: torch.Tensor, like: "DTensor") -> torch.Tensor:
 
 
 def own_rows(tensor: "DTensor") -> Tuple[int, torch.Tensor]:
-    """Where this rank's rows of ``tensor`` start and a copy of them, for a DTensor sharded on
-    its first dimension over one mesh dimension and replicated over any others (FSDP2's
-    ``fully_shard``, hybrid sharding's too). Local.
+    """Where this rank's rows of ``tensor`` start, and the rows (its local tensor, not a copy),
+    for a DTensor sharded on its first dimension over one mesh dimension and replicated over
+    any others (FSDP2's ``fully_shard``, hybrid sharding's too). Local.
 
     Raises:
         ValueError: ``tensor`` is laid out otherwise.
@@ -94,7 +94,7 @@ def own_rows(tensor: "DTensor") -> Tuple[int, torch.Tensor]:
     mesh_dim = sharded[0]
     rows = -(-tensor.size(0) // tensor.device_mesh.size(mesh_dim))
     start = min(tensor.device_mesh.get_coordinate()[mesh_dim] * rows, tensor.size(0))
-    return start, tensor.to_local().detach().clone()
+    return start, tensor.to_local().detach()
 
 
 def replicated_elsewhere(tensor: "DTensor") -> bool:

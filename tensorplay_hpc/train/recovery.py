@@ -112,7 +112,8 @@ class Committed:
 
 
 def _rows(tensor: torch.Tensor) -> Dict[str, Any]:
-    """This rank's rows of a sharded tensor, and where they start. Local."""
+    """This rank's rows of a sharded tensor (not a copy: :func:`shard_bytes` copies them),
+    where they start and the tensor's length. Local."""
     start, rows = own_rows(tensor)
     return {_ROWS_FROM: start, "rows": rows, "of": tensor.size(0)}
 
