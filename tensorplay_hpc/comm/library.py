@@ -20,8 +20,8 @@ from .mpi import MPI, THREAD_SAFETY_ENV, load
 __all__ = [
     "FAMILIES", "FT_ENABLED_ENV", "MPI4PY_THREAD_ENV", "abi", "cuda_support", "family",
     "has_ulfm", "launched_with_fault_tolerance", "library_path", "parse_family", "parse_version",
-    "pending_wildcard_receive_stalls", "queued_collectives_hang",
-    "target_progress_needed", "thread_level",
+    "pending_wildcard_receive_stalls", "queued_collectives_hang", "target_progress_needed",
+    "tested_collectives_stall_beside_blocking_ones", "thread_level",
     "thread_level_name", "thread_variable", "version", "version_text"
 ]
 
@@ -251,6 +251,19 @@ def queued_collectives_hang() -> bool:
     cause not found (the library serializes its calls under one lock). Open MPI and MPICH ran
     the whole suite with them."""
     return family() == "intel-mpi"
+
+
+def tested_collectives_stall_beside_blocking_ones() -> bool:
+    """Whether a nonblocking collective that one thread tests between sleeps may stop
+    advancing while another thread of the same rank waits in a blocking collective: seen with
+    Open MPI 5 between nodes (an ``Ibarrier`` tested on DDP's communication thread, beside a
+    broadcast on a worker, stayed incomplete for 12 to 70 s on three ranks although the fourth
+    had completed it; in about one run in three of the ZeRO-2 tests). A blocking barrier in its
+    place never stalled. Open MPI 4.1 and MPICH ran the whole suite with tested ones."""
+    if family() != "open-mpi":
+        return False
+    number = version()
+    return number is None or int(number.split(".")[0]) >= 5
 
 
 def has_ulfm() -> bool:

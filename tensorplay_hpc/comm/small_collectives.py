@@ -13,7 +13,7 @@ from typing import Any, List, Optional, Sequence, TypeVar
 
 import numpy as np
 
-from . import trace, watchdog
+from . import library, trace, watchdog
 from .mpi import MPI
 from .polling import LONGEST_PAUSE_S, poll_until
 
@@ -112,6 +112,10 @@ def quiet_barrier(comm: MPI.Intracomm, longest_pause: float = LONGEST_PAUSE_S) -
     """Wait until every rank of ``comm`` has arrived, testing a nonblocking barrier between
     sleeps (:func:`~.polling.poll_until`, up to ``longest_pause`` seconds) instead of waiting
     inside MPI. For a background thread, or one beside a busy one: its waits then leave the
-    core, and MPI's progress, to the other thread."""
+    core, and MPI's progress, to the other thread. A blocking barrier instead where such a
+    test may stall (:func:`~.library.tested_collectives_stall_beside_blocking_ones`)."""
     with _watched("quiet_barrier", comm):
-        poll_until(comm.Ibarrier().Test, longest_pause)
+        if library.tested_collectives_stall_beside_blocking_ones():
+            comm.Barrier()
+        else:
+            poll_until(comm.Ibarrier().Test, longest_pause)
