@@ -258,8 +258,9 @@ def tested_collectives_stall_beside_blocking_ones() -> bool:
     advancing while another thread of the same rank waits in a blocking collective: seen with
     Open MPI 5 between nodes (an ``Ibarrier`` tested on DDP's communication thread, beside a
     broadcast on a worker, stayed incomplete for 12 to 70 s on three ranks although the fourth
-    had completed it; in about one run in three of the ZeRO-2 tests). A blocking barrier in its
-    place never stalled. Open MPI 4.1 and MPICH ran the whole suite with tested ones."""
+    had completed it; in about one run in three of the ZeRO-2 tests). Waiting for the same
+    request inside MPI never stalled. Open MPI 4.1 and MPICH ran the whole suite with tested
+    ones."""
     if family() != "open-mpi":
         return False
     number = version()

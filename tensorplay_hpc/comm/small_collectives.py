@@ -112,10 +112,12 @@ def quiet_barrier(comm: MPI.Intracomm, longest_pause: float = LONGEST_PAUSE_S) -
     """Wait until every rank of ``comm`` has arrived, testing a nonblocking barrier between
     sleeps (:func:`~.polling.poll_until`, up to ``longest_pause`` seconds) instead of waiting
     inside MPI. For a background thread, or one beside a busy one: its waits then leave the
-    core, and MPI's progress, to the other thread. A blocking barrier instead where such a
-    test may stall (:func:`~.library.tested_collectives_stall_beside_blocking_ones`)."""
+    core, and MPI's progress, to the other thread. Where such a test may stall
+    (:func:`~.library.tested_collectives_stall_beside_blocking_ones`), the barrier is waited
+    for inside MPI instead (still the nonblocking one: under ULFM a blocking ``MPI_Barrier``
+    reported a lost rank as ``MPI_ERR_OTHER``, not as a process failure)."""
     with _watched("quiet_barrier", comm):
         if library.tested_collectives_stall_beside_blocking_ones():
-            comm.Barrier()
+            comm.Ibarrier().Wait()
         else:
             poll_until(comm.Ibarrier().Test, longest_pause)
