@@ -317,30 +317,26 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, comm: MPI.Intracom
                          f"counts say {counts[rank]}")
     datatype = None if async_op or op is ReduceOp.AVG else direct_datatype(input)
     if (datatype is not None and output.dtype == input.dtype and direct_datatype(output)
-            and input.numel() <= chunk_elements() and len(set(counts)) == 1):
-        # the common case at once: equal parts, one call on the tensors' own memory
-        if debug_enabled():
-            check_collective(comm, "reduce_scatter", counts=counts, dtype=input.dtype, op=op)
-        with watched("reduce_scatter", comm,
-                     trace.collective("reduce_scatter", comm, input.nbytes)):
-            # not Reduce_scatter_block: Open MPI 4.1 runs it as a reduce and a scatter
-            comm.Reduce_scatter([memory(input), input.numel(), datatype],
-                                [memory(output), counts[rank], datatype], counts,
-                                reduce_op(input.dtype, op))
-        return None
-    send = Staged(input, reduce=True)
-    recv = Staged(output, reduce=True, copy_in=False)
-    mpi_op = reduce_op(send.work.dtype, op)
+            and input.numel() <= chunk_elements()):
+        # the common case at once: one call on the tensors' own memory
+        send = recv = None
+        mpi_op = reduce_op(input.dtype, op)
+        whole = [memory(input), input.numel(), datatype], [memory(output), counts[rank], datatype]
+    else:
+        send = Staged(input, reduce=True)
+        recv = Staged(output, reduce=True, copy_in=False)
+        mpi_op = reduce_op(send.work.dtype, op)
+        whole = (send.buf(), recv.buf()) if send.count <= chunk_elements() else None
     if debug_enabled():
         check_collective(comm, "reduce_scatter", counts=counts, dtype=input.dtype, op=op)
     requests = []
     record = trace.collective("reduce_scatter", comm, input.nbytes, async_op)
     with watched("reduce_scatter", comm, record):
-        if send.count <= chunk_elements():
-            if async_op:
-                requests.append(comm.Ireduce_scatter(send.buf(), recv.buf(), counts, mpi_op))
-            else:
-                comm.Reduce_scatter(send.buf(), recv.buf(), counts, mpi_op)
+        # Reduce_scatter, not Reduce_scatter_block: Open MPI 4.1 runs that as a reduce and a scatter
+        if whole is not None and async_op:
+            requests.append(comm.Ireduce_scatter(*whole, counts, mpi_op))
+        elif whole is not None:
+            comm.Reduce_scatter(*whole, counts, mpi_op)
         else:  # too long for one call: reduce each rank's part to it, chunk by chunk
             displs = _displacements(counts)
             for owner in range(size):
@@ -351,6 +347,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, comm: MPI.Intracom
                         requests.append(comm.Ireduce(*args))
                     else:
                         comm.Reduce(*args)
+    if recv is None:
+        return None
 
     def finish() -> None:
         if op is ReduceOp.AVG:
