@@ -160,7 +160,8 @@ def shrink(comm: MPI.Intracomm) -> Tuple[MPI.Intracomm, List[int]]:
 def finalize_would_stall() -> bool:
     """Whether this process has gone on without lost ranks (:func:`shrink`): then
     ``MPI_Finalize`` can wait for them forever (Open MPI 5 does when they were on another
-    node), so the survivors end without it (``os._exit``) once their work is done. Local."""
+    node, and now and then on the same node: in 1 of 12 runs of a 3-rank job here), so the
+    survivors end without it (``os._exit``) once their work is done. Local."""
     return bool(_shrunk_away)
 
 

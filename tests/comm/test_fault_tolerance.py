@@ -45,7 +45,7 @@ def test_recovery_is_off_unless_enabled_and_says_why_it_cannot_work():
 def test_survivors_see_rank_lost_and_shrink(tmp_path):
     with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
         job = ulfm_lane.start(3, [str(SUPPORT / "rank_lost_job.py")], out, err)
-        code = job.wait(timeout=100)
+        code = ulfm_lane.wait(job, 100)
     output = (tmp_path / "out").read_text()
     assert code == 0, output + (tmp_path / "err").read_text()
     for rank in (0, 1):

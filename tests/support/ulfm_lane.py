@@ -1,6 +1,11 @@
 """Jobs launched with fault tolerance on (ULFM), under the ``openmpi5`` lane's ``mpiexec
 --with-ft ulfm`` (``scripts/env.sh`` gives the launch)."""
+import contextlib
+import os
+import signal
 import subprocess
+import time
+from pathlib import Path
 from typing import List, Optional
 
 import lanes
@@ -43,5 +48,39 @@ def start(ranks: int, args: List[str], out, err, nodes: Optional[SimulatedNodes]
     """Start the job (over ``nodes`` when given) in a session of its own, its output to the
     files ``out`` and ``err``."""
     return subprocess.Popen(command(ranks, args, nodes, heartbeat=heartbeat),
-                            env=clean_env(TENSORPLAY_MPI=LANE), cwd=REPO, stdout=out, stderr=err,
-                            start_new_session=True)
+                            env=clean_env(TENSORPLAY_MPI=LANE, PYTHONFAULTHANDLER="1"), cwd=REPO,
+                            stdout=out, stderr=err, start_new_session=True)
+
+
+STILL_RUNNING = -1000
+"""What :func:`wait` returns for a job that had not ended in time (and was killed)."""
+
+
+def wait(job: subprocess.Popen, timeout: float) -> int:
+    """The exit status of ``job`` (from :func:`start`), waited for up to ``timeout`` s. A job
+    still running then is ended and :data:`STILL_RUNNING` returned, so that the test's check of
+    the status fails showing the job's output: first every process of its session gets SIGABRT,
+    on which the Python of each rank writes its threads' stacks to the job's ``err`` (Open MPI
+    5 gives each rank a process group of its own, so the whole session is searched), then
+    SIGKILL."""
+    try:
+        return job.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for sig in (signal.SIGABRT, signal.SIGKILL):
+            for pid in _session(job.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            time.sleep(3)
+        job.wait()
+        return STILL_RUNNING
+
+
+def _session(sid: int) -> List[int]:
+    """The processes of session ``sid`` (read from ``/proc``), its leader last."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) == sid:    # the fields after the name: state, ppid, pgrp, session
+                members.append(int(stat.parent.name))
+    return sorted(members, key=lambda pid: pid == sid)

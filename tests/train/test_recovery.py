@@ -82,7 +82,7 @@ def _output(folder) -> str:
 @pytest.mark.timeout(240)
 def test_a_killed_rank_is_survived(tmp_path):
     jobs = {case: _start(tmp_path / case, *settings) for case, settings in CASES.items()}
-    codes = {case: job.wait(timeout=220) for case, job in jobs.items()}
+    codes = {case: ulfm_lane.wait(job, 220) for case, job in jobs.items()}
     for case, settings in CASES.items():
         _recovered(tmp_path / case, _output(tmp_path / case), codes[case], *settings[:5])
 
@@ -113,7 +113,7 @@ def test_a_lost_node_is_survived(simulated_nodes, tmp_path, optimizer):
     which would wait for the lost node). Their final checkpoint resumes on 3 ranks of one node
     with the same state, bit for bit."""
     settings = (4, [2, 3], 2, 1, 4, ["--optimizer", optimizer], "step")
-    code = _start(tmp_path, *settings, nodes=simulated_nodes).wait(timeout=150)
+    code = ulfm_lane.wait(_start(tmp_path, *settings, nodes=simulated_nodes), 150)
     output = _output(tmp_path)
     _recovered(tmp_path, output, code, *settings[:5])
     _resumes_alike(tmp_path, output, optimizer)
@@ -129,7 +129,7 @@ def test_a_rank_of_fsdp2_is_survived(tmp_path):
     anew over 2 ranks and go on with the whole state of the step rank 1 last committed, bit for
     bit. Their final checkpoint resumes on 3 ranks with the same state."""
     settings = (3, [1], 2, 1, 4, ["--optimizer", "fsdp"], "step")
-    code = _start(tmp_path, *settings).wait(timeout=150)
+    code = ulfm_lane.wait(_start(tmp_path, *settings), 150)
     output = _output(tmp_path)
     _recovered(tmp_path, output, code, *settings[:5])
     _resumes_alike(tmp_path, output, "fsdp")
@@ -142,8 +142,8 @@ def test_hybrid_sharding_refuses_nodes_left_uneven(simulated_nodes, tmp_path):
     """World rank 3 of a 4-rank hybrid sharding job over 2 simulated nodes killed: the
     survivors' nodes would hold 2 ranks and 1, which a (replicate, shard) mesh cannot take; every
     survivor says so and exits with status 86."""
-    code = _start(tmp_path, 4, [3], 2, 1, 4, ["--optimizer", "hsdp"], "step",
-                  nodes=simulated_nodes).wait(timeout=150)
+    code = ulfm_lane.wait(_start(tmp_path, 4, [3], 2, 1, 4, ["--optimizer", "hsdp"], "step",
+                                 nodes=simulated_nodes), 150)
     output = _output(tmp_path)
     assert code == EXIT_UNRECOVERABLE, output[-5000:]
     for rank in (0, 1, 2):
@@ -160,7 +160,8 @@ def test_hybrid_sharding_with_every_copy_of_a_shard_lost_ends_the_job(tmp_path):
     """World ranks 1 and 3 of a 4-rank hybrid sharding job on one node (replicas {0, 1} and
     {2, 3}) killed in one step: both held the second shard, which hybrid sharding copies to no
     partner (its replicas are the copies); both survivors say so and exit with status 86."""
-    code = _start(tmp_path, 4, [1, 3], 2, 1, 4, ["--optimizer", "hsdp"], "step").wait(timeout=100)
+    job = _start(tmp_path, 4, [1, 3], 2, 1, 4, ["--optimizer", "hsdp"], "step")
+    code = ulfm_lane.wait(job, 100)
     output = _output(tmp_path)
     assert code == EXIT_UNRECOVERABLE, output[-5000:]
     for rank in (0, 2):
@@ -176,9 +177,9 @@ def _resumes_alike(folder, output: str, optimizer: str) -> None:
     again = folder / "resumed"
     again.mkdir()
     with open(again / "out", "w") as out, open(again / "err", "w") as err:
-        code = ulfm_lane.start(3, [JOB, "-1", "0", "--optimizer", optimizer, "--steps", "5",
-                                   "--resume", "--run-dir", str(folder / "run"), *TINY],
-                               out, err).wait(timeout=120)
+        code = ulfm_lane.wait(ulfm_lane.start(3, [JOB, "-1", "0", "--optimizer", optimizer,
+                                                  "--steps", "5", "--resume", "--run-dir",
+                                                  str(folder / "run"), *TINY], out, err), 120)
     resumed = _output(again)
     assert code == 0, resumed[-5000:]
     assert re.search(r"resumed from \S+step-0000004\.h5 at step 4", resumed), resumed[-5000:]
@@ -194,7 +195,7 @@ def test_a_rank_lost_during_the_recovery_is_survived(tmp_path):
     shrunk their communicator: they shrink again and go on with 2 ranks, the shards of ranks 1
     and 3 back from their partners' copies (ranks 2 and 0)."""
     settings = (4, [3], 2, 1, 4, ["--optimizer", "zero"], "step")
-    code = _start(tmp_path, *settings, then=[1]).wait(timeout=100)
+    code = ulfm_lane.wait(_start(tmp_path, *settings, then=[1]), 100)
     _recovered(tmp_path, _output(tmp_path), code, 4, [1, 3], *settings[2:5])
 
 
@@ -206,7 +207,7 @@ def test_copies_still_travelling_are_not_relied_on(tmp_path):
     its partner (rank 2) never holds them, so the survivors go back one commit further, to
     step 1, with the state they had then."""
     settings = (3, [1], 2, 1, 4, ["--optimizer", "zero"], "copies")
-    code = _start(tmp_path, *settings).wait(timeout=100)
+    code = ulfm_lane.wait(_start(tmp_path, *settings), 100)
     _recovered(tmp_path, _output(tmp_path), code, *settings[:5], at=1)
 
 
@@ -217,7 +218,7 @@ def test_a_rank_lost_while_the_groups_are_rebuilt_is_survived(tmp_path):
     """World rank 3 of a 4-rank ZeRO job killed in a step, then rank 1 as the survivors start
     rebuilding their groups: they shrink again and go on with 2 ranks from the same step."""
     settings = (4, [3], 2, 1, 4, ["--optimizer", "zero"], "step")
-    code = _start(tmp_path, *settings, then=[1], then_in="rebuild").wait(timeout=100)
+    code = ulfm_lane.wait(_start(tmp_path, *settings, then=[1], then_in="rebuild"), 100)
     output = _output(tmp_path)
     _recovered(tmp_path, output, code, 4, [1, 3], *settings[2:5])
     assert "killing in the rebuild" in output
@@ -229,7 +230,8 @@ def test_a_rank_lost_while_the_groups_are_rebuilt_is_survived(tmp_path):
 def test_a_rank_and_its_partner_lost_together_end_the_job(tmp_path):
     """World ranks 1 and 2 of a 4-rank ZeRO job on one node killed in one step: rank 2 holds
     rank 1's copy, so that shard is gone; both survivors say so and exit with status 86."""
-    code = _start(tmp_path, 4, [1, 2], 2, 1, 4, ["--optimizer", "zero"], "step").wait(timeout=100)
+    job = _start(tmp_path, 4, [1, 2], 2, 1, 4, ["--optimizer", "zero"], "step")
+    code = ulfm_lane.wait(job, 100)
     output = _output(tmp_path)
     assert code == EXIT_UNRECOVERABLE, output[-5000:]
     for rank in (0, 3):
