@@ -1,9 +1,6 @@
 """Recovery from a lost rank in the comm layer (ULFM): what says whether it works, the typed
 error, and a 3-rank job under Open MPI 5 with fault tolerance on in which one rank dies."""
-import contextlib
-import os
 import re
-import signal
 import time
 
 import pytest
@@ -75,9 +72,7 @@ def test_a_hung_rank_is_found_by_the_heartbeat(tmp_path):
                     and job.poll() is None:
                 time.sleep(0.2)
         finally:
-            with contextlib.suppress(ProcessLookupError):   # the job may have ended by itself
-                os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
+            ulfm_lane.end(job)
     output = out_path.read_text()
     stopped = float(re.search(r"^\[2\] leaving at (\S+)", output, re.M).group(1))
     for rank in (0, 1):

@@ -58,29 +58,33 @@ STILL_RUNNING = -1000
 
 def wait(job: subprocess.Popen, timeout: float) -> int:
     """The exit status of ``job`` (from :func:`start`), waited for up to ``timeout`` s. A job
-    still running then is ended and :data:`STILL_RUNNING` returned, so that the test's check of
-    the status fails showing the job's output: first every process of its session gets SIGABRT,
-    on which the Python of each rank writes its threads' stacks to the job's ``err`` (Open MPI
-    5 gives each rank a process group of its own, so the whole session is searched), then
-    SIGKILL."""
+    still running then gets SIGABRT first, on which the Python of each rank writes its threads'
+    stacks to the job's ``err``, then is ended (:func:`end`), and :data:`STILL_RUNNING` is
+    returned, so that the test's check of the status fails showing the job's output."""
     try:
-        return job.wait(timeout=timeout)
+        return job.wait(timeout=max(timeout, 0))
     except subprocess.TimeoutExpired:
-        for sig in (signal.SIGABRT, signal.SIGKILL):
-            for pid in _session(job.pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, sig)
-            time.sleep(3)
-        job.wait()
+        _signal_session(job.pid, signal.SIGABRT)
+        time.sleep(3)
+        end(job)
         return STILL_RUNNING
 
 
-def _session(sid: int) -> List[int]:
-    """The processes of session ``sid`` (read from ``/proc``), its leader last."""
+def end(job: subprocess.Popen) -> None:
+    """Kill every process of ``job``'s session (Open MPI 5 gives each rank a process group of
+    its own, so ``killpg`` of the launcher's would miss the ranks) and wait for it."""
+    _signal_session(job.pid, signal.SIGKILL)
+    job.wait()
+
+
+def _signal_session(sid: int, sig: int) -> None:
+    """Send ``sig`` to every process of session ``sid`` (found in ``/proc``), its leader last."""
     members = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError):
             fields = stat.read_text().rsplit(")", 1)[1].split()
             if int(fields[3]) == sid:    # the fields after the name: state, ppid, pgrp, session
                 members.append(int(stat.parent.name))
-    return sorted(members, key=lambda pid: pid == sid)
+    for pid in sorted(members, key=lambda pid: pid == sid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
