@@ -4,10 +4,12 @@ Each world rank of RANKS (one, or several joined by commas: a whole node) kills 
 SIGKILL in step STEP + 1 (after committing step STEP, once its partner copies have arrived), as
 a crash would end it; with STEP given as ``N/validation``, in the validation after step N
 instead; as ``N/copies``, in step N + 1 with its copies of step N held back (their exchange not
-begun). RANKS ``A>B`` kills A so, and B when the survivors have shrunk their communicator the
+begun); as ``N/commit``, at its commit of step N + 1 (every collective of that step done) with the
+bytes of its copies of step N held back (their size sent): the partner waits for them, and the
+ranks whose copies do not wait on the partner commit step N + 1, one step further. RANKS ``A>B`` kills A so, and B when the survivors have shrunk their communicator the
 first time (in the recovery); ``A>>B`` kills B when the survivors start rebuilding their
-groups. Every rank prints ``committed S DIGEST`` after each step it commits, and ``restored S
-DIGEST`` once recovery has put back the state of step S, where DIGEST is a SHA-256 of its model
+groups. Every rank prints ``kept S`` once it has kept the state of step S, ``committed S
+DIGEST`` after each step it commits, and ``restored S DIGEST`` once recovery has put back the state of step S, where DIGEST is a SHA-256 of its model
 and optimizer state and of the communication hook's state but its error feedback (every
 tensor's bytes); with PowerSGD's error feedback, also ``committed errors S SUM`` and ``restored
 errors S SUM``, the sum of its elements (in float64). The kill prints ``killing at T`` with
@@ -25,9 +27,10 @@ import torch
 
 from tensorplay_hpc.__main__ import main
 from tensorplay_hpc.checkpoint.sharded_tensors import is_sharded
-from tensorplay_hpc.comm import fault_tolerance
+from tensorplay_hpc.comm import fault_tolerance, point_to_point
 from tensorplay_hpc.comm.mpi import MPI
 from tensorplay_hpc.comm.partner_copies import PartnerCopies
+from tensorplay_hpc.comm.work import Work
 from tensorplay_hpc.distributed.optim import ZeroRedundancyOptimizer
 from tensorplay_hpc.train import loop, recovery
 
@@ -84,12 +87,15 @@ def say(line: str) -> None:
 def patch(kill_ranks: List[int], kill_step: int, during: str, in_recovery: List[int],
           in_rebuild: List[int]) -> None:
     """Kill ``kill_ranks`` in their step ``kill_step + 1`` (``during`` is ``"step"``, or
-    ``"copies"`` with their copies of step ``kill_step`` held back) or in the validation after
-    step ``kill_step`` (``"validation"``), ``in_recovery`` after the survivors' first shrink and
+    ``"copies"`` with their copies of step ``kill_step`` held back), at their commit of that step
+    with those copies held back (``"commit"``) or in the validation after step ``kill_step``
+    (``"validation"``), ``in_recovery`` after the survivors' first shrink and
     ``in_rebuild`` when they start rebuilding their groups; report commits and restores."""
-    held_back = during == "copies" and MPI.COMM_WORLD.Get_rank() in kill_ranks
-    keep = PartnerCopies.keep
-    if held_back:
+    killed_here = MPI.COMM_WORLD.Get_rank() in kill_ranks
+    held_back = during in ("copies", "commit") and killed_here
+    keep, send = PartnerCopies.keep, point_to_point.send
+    withheld: List[torch.Tensor] = []
+    if during == "copies":
         during = "step"
     step, commit, build = loop.Run.train_step, recovery.Rollback.commit, loop.Run._build
     restore, validate = recovery.Rollback.restore, loop.Run._validate
@@ -113,10 +119,16 @@ def patch(kill_ranks: List[int], kill_step: int, during: str, in_recovery: List[
     def holding_back(copies, number, payload):
         if number != kill_step:   # those of kill_step never leave: the kill comes first
             keep(copies, number, payload)
+        elif during == "commit":   # their size leaves, their bytes do not
+            withheld.append(payload)
+            keep(copies, number, payload)
+
+    def sending(tensor, *args, **kwargs):
+        return Work() if any(tensor is t for t in withheld) else send(tensor, *args, **kwargs)
 
     def kill_at(run, number: int, now: str) -> None:
         if (number, now) == (kill_step, during) and MPI.COMM_WORLD.Get_rank() in kill_ranks:
-            if run._rollback is not None and not held_back:   # its copies arrive first
+            if not held_back and run._rollback is not None:   # its copies arrive first
                 run._rollback.settle()
             say(f"killing at {time.time():.6f}")
             os.kill(os.getpid(), signal.SIGKILL)
@@ -137,7 +149,11 @@ def patch(kill_ranks: List[int], kill_step: int, during: str, in_recovery: List[
         return loss
 
     def committing(rollback, number, strategy):
+        if during == "commit" and number == kill_step + 1 and killed_here:
+            time.sleep(3)   # meanwhile the other ranks go on to their commits
+            kill_at(None, kill_step, "commit")
         commit(rollback, number, strategy)
+        say(f"kept {number}")
         say(f"committed {number} {digest(strategy)}")
         if error_sum(strategy) is not None:
             say(f"committed errors {number} {error_sum(strategy)!r}")
@@ -153,7 +169,7 @@ def patch(kill_ranks: List[int], kill_step: int, during: str, in_recovery: List[
     recovery.Rollback.commit, recovery.Rollback.restore = committing, restoring
     fault_tolerance.shrink = shrinking
     if held_back:
-        PartnerCopies.keep = holding_back
+        PartnerCopies.keep, point_to_point.send = holding_back, sending
 
 
 def ranks(listed: str) -> List[int]:

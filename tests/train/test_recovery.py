@@ -8,8 +8,9 @@ the copy on its partner (rank 2); for rank 1 of a 3-rank DDP job with PowerSGD, 
 feedback joins its partner's; for rank 1 of a 4-rank hybrid sharding job on one node; for rank 1
 of a 3-rank DiLoCo job with a sync in flight; for rank 1 of a 3-rank FSDP2 job; for a whole
 simulated node of a 4-rank ZeRO or hybrid sharding job; for a second rank lost during the
-recovery or as the groups are rebuilt; and for a rank killed before its copies of the last
-commit left it (the survivors go back one commit further). Where recovery cannot work (a rank
+recovery or as the groups are rebuilt; for a rank killed before its copies of the last
+commit left it (the survivors go back one commit further); and for one killed at a commit that
+some survivors complete (they go back two of their commits). Where recovery cannot work (a rank
 and its partner lost together, hybrid sharding's nodes left uneven), every survivor says why
 and exits with status 86.
 The first five jobs run side by side. All are launched with the ``openmpi5`` lane's mpiexec
@@ -211,6 +212,22 @@ def test_copies_still_travelling_are_not_relied_on(tmp_path):
     settings = (3, [1], 2, 1, 4, ["--optimizer", "zero"], "copies")
     code = ulfm_lane.wait(_start(tmp_path, *settings), 100)
     _recovered(tmp_path, _output(tmp_path), code, *settings[:5], at=1)
+
+
+@only_in_single_rank_run
+@pytest.mark.skipif(ulfm_lane.missing() is not None, reason=str(ulfm_lane.missing()))
+@pytest.mark.timeout(120)
+def test_survivors_a_commit_apart_go_back_to_the_third_kept_step(tmp_path):
+    """World rank 1 of a 4-rank ZeRO job killed at its commit of step 3, its copies of step 2
+    held back: rank 3, whose copies do not wait on rank 1, has committed step 3 too, while rank
+    1's partner (rank 2) holds its copies of step 1 only. The survivors go back to step 1, the
+    third step rank 3 keeps."""
+    settings = (4, [1], 2, 1, 4, ["--optimizer", "zero"], "commit")
+    code = ulfm_lane.wait(_start(tmp_path, *settings), 100)
+    output = _output(tmp_path)
+    before = output.partition("killing at")[0]
+    assert "[world rank 3] kept 3\n" in before and "[world rank 2] kept 3\n" not in before, output
+    _recovered(tmp_path, output, code, *settings[:5], at=1)
 
 
 @only_in_single_rank_run
