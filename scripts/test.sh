@@ -6,7 +6,7 @@
 #           resume_smoke at 16 ranks over 4 (as root);
 #   mpich, openmpi5: 4 ranks over 2 simulated nodes (not root: 2 and 4 ranks on one node
 #           instead); openmpi5 also runs the recovery tests (ULFM) on 1 rank;
-#   impi:   2 and 4 ranks on one node.
+#   impi:   4 ranks on one node.
 #
 # TENSORPLAY_MPI=NAME runs one lane only. Extra arguments go to pytest (a test file, -k EXPR).
 # docs/developers.md says why each lane runs what it runs.
@@ -34,7 +34,7 @@ trap 'rm -rf "$TMPDIR"' EXIT
 status=0
 case $lane in
     system) rank_counts=(1 2 4); nodes=yes ;;
-    impi) rank_counts=(2 4); nodes=no ;;
+    impi) rank_counts=(4); nodes=no ;;
     *) rank_counts=(); nodes=yes ;;
 esac
 if [ "$nodes" = yes ] && [ "$(id -u)" -ne 0 ] && [ "$lane" != system ]; then
