@@ -31,6 +31,38 @@ TMPDIR=$(mktemp -d /var/tmp/tensorplay-tests-XXXXXX)
 export TMPDIR
 trap 'rm -rf "$TMPDIR"' EXIT
 
+# suite LIMIT MARKS LAUNCH...: pytest under LAUNCH (the command line before `python`), bounded by
+# LIMIT seconds, on the tests marked MARKS (all when empty) among this script's arguments or,
+# without any, in two runs: the rest of the suite, then tests/train (the training job in
+# process). Run after the rest in the same processes, those training runs over several ranks
+# now and then stalled for tens of seconds each (the mpich lane over 2 simulated nodes: 400-600
+# s as one run, 226 s + 34 s as two). Status: the first failed run's, else 5 where no run
+# selected a test, else 0.
+args=("$@")
+suite() {
+    local limit=$1 marks=$2 code result=5 failed=0
+    shift 2
+    local parts=("--ignore=tests/train" "tests/train")
+    if [ ${#args[@]} -gt 0 ]; then
+        parts=("")
+    fi
+    for part in "${parts[@]}"; do
+        code=0
+        timeout "$limit" "$@" python -m pytest --with-mpi -q ${marks:+-m "$marks"} \
+            ${part:+"$part"} ${args[@]+"${args[@]}"} || code=$?
+        if [ "$code" -ne 0 ] && [ "$code" -ne 5 ] && [ "$failed" -eq 0 ]; then
+            failed=$code
+        fi
+        if [ "$code" -eq 0 ]; then
+            result=0
+        fi
+    done
+    if [ "$failed" -ne 0 ]; then
+        return "$failed"
+    fi
+    return "$result"
+}
+
 status=0
 case $lane in
     system) rank_counts=(1 2 4); nodes=yes ;;
@@ -54,8 +86,8 @@ fi
 for ranks in "${rank_counts[@]}"; do
     echo "=== $lane: pytest under mpiexec -n $ranks ==="
     # A whole run is bounded too, in case a rank wedges outside a test's own timeout.
-    # (The 1-rank pass, with the jobs the tests launch, takes about half an hour.)
-    if ! timeout 2700 "${MPIEXEC[@]}" -n "$ranks" python -m pytest --with-mpi -q "$@"; then
+    # (The 1-rank pass, with the jobs the tests launch, takes about twenty minutes.)
+    if ! suite 2700 "" "${MPIEXEC[@]}" -n "$ranks"; then
         echo "=== $lane: FAILED with $ranks ranks ==="
         status=1
     fi
@@ -71,32 +103,22 @@ if [ "$lane" = openmpi5 ] && [ $# -eq 0 ]; then
 fi
 if [ "$nodes" = yes ] && [ "$(id -u)" -eq 0 ]; then
     echo "=== $lane: pytest under mpiexec -n 4 over 2 simulated nodes of 2 ranks (TCP between them) ==="
-    if ! timeout 1800 python tests/support/simulated_nodes.py --nodes 2 --slots 2 --mpiexec -- \
-            "${MPIEXEC[@]:1}" -n 4 python -m pytest --with-mpi -q "$@"; then
+    if ! suite 1800 "" python tests/support/simulated_nodes.py --nodes 2 --slots 2 --mpiexec -- \
+            "${MPIEXEC[@]:1}" -n 4; then
         echo "=== $lane: FAILED with 4 ranks over 2 nodes ==="
         status=1
     fi
     if [ "$lane" = system ]; then
         # The tests marked `scale` depend on the rank count or the node layout: again at 8 ranks
         # over 4 nodes.
-        # The whole suite runs the training job's tests in processes of their own: run after
-        # the other tests in the same processes, its resumes took 10-25x as long here.
-        if [ $# -eq 0 ]; then
-            scale_parts=("--ignore=tests/train" "tests/train")
-        else
-            scale_parts=("$*")
+        echo "=== $lane: tests marked scale under mpiexec -n 8 over 4 simulated nodes of 2 ranks ==="
+        scale=0
+        suite 1200 scale python tests/support/simulated_nodes.py --nodes 4 --slots 2 \
+            --mpiexec -- "${MPIEXEC[@]:1}" -n 8 || scale=$?
+        if [ "$scale" -ne 0 ] && [ "$scale" -ne 5 ]; then   # 5: none of the tests is marked
+            echo "=== $lane: FAILED with 8 ranks over 4 nodes ==="
+            status=1
         fi
-        for part in "${scale_parts[@]}"; do
-            echo "=== $lane: tests marked scale under mpiexec -n 8 over 4 simulated nodes of 2 ranks: $part ==="
-            scale=0
-            # shellcheck disable=SC2086  # $part: the pytest arguments of this part
-            timeout 1200 python tests/support/simulated_nodes.py --nodes 4 --slots 2 --mpiexec -- \
-                "${MPIEXEC[@]:1}" -n 8 python -m pytest --with-mpi -q -m scale $part || scale=$?
-            if [ "$scale" -ne 0 ] && [ "$scale" -ne 5 ]; then   # 5: none of the tests is marked
-                echo "=== $lane: FAILED with 8 ranks over 4 nodes ==="
-                status=1
-            fi
-        done
         # The training job's exact resume after a preemption, every --optimizer, in process.
         echo "=== $lane: tests marked resume_smoke under mpiexec -n 16 over 4 simulated nodes ==="
         smoke=0
