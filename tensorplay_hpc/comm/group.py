@@ -7,7 +7,7 @@ from typing import Optional
 
 from .mpi import MPI
 
-from . import fault_tolerance, lifetime, watchdog
+from . import fault_tolerance, lifetime, watchdog, worker
 from .abort import abort_on_uncaught
 from .communicators import duplicate, free
 
@@ -57,8 +57,9 @@ def _free(comm: MPI.Comm, token: int) -> None:
 def _collected_unclosed(comm: MPI.Comm, token: int) -> None:
     """Stop watching ``comm`` without freeing it, and warn: ``MPI_Finalize`` frees it (see
     :mod:`.lifetime`: a free is collective, and ranks collect objects at different moments).
-    Local. A group left behind by the survivors of a lost rank (its communicator revoked) goes
-    without a warning."""
+    Local. Its worker thread ends. A group left behind by the survivors of a lost rank (its
+    communicator revoked) goes without a warning."""
+    worker.retire(comm)
     watchdog.forget(comm)
     fault_tolerance.forget(comm)
     description = lifetime.leave_to_finalize(token)

@@ -9,7 +9,7 @@
   can wait for the other ranks, so a free at collection time can deadlock against a collective
   running elsewhere. An object collected unclosed gives a ``ResourceWarning`` (shown with
   ``python -W default`` or ``-X dev``, as for unclosed files) and is freed by ``MPI_Finalize``
-  at interpreter exit.
+  at interpreter exit; its communicator's worker thread ends at once.
 
 :func:`live` lists the objects not freed yet and :func:`open_objects` those whose owner has not
 been collected, which is how the tests check that ``close()`` leaves nothing behind.

@@ -32,7 +32,8 @@ from . import library
 from .environment import read_once
 from .mpi import MPI
 
-__all__ = ["NONBLOCKING_ENV", "Job", "available", "in_thread", "settle", "stop", "submit"]
+__all__ = ["NONBLOCKING_ENV", "Job", "available", "in_thread", "retire", "settle", "stop",
+           "submit"]
 
 NONBLOCKING_ENV = "TENSORPLAY_HPC_NONBLOCKING"
 _CHOICES = ("thread", "requests")
@@ -104,9 +105,9 @@ class _Worker:
     def busy(self) -> bool:
         return self._unfinished > 0
 
-    def end(self) -> None:
+    def end(self, join: bool = True) -> None:
         self._queue.put(None)
-        if threading.current_thread() is not self.thread:
+        if join and threading.current_thread() is not self.thread:
             self.thread.join()
 
     def _loop(self) -> None:
@@ -163,3 +164,12 @@ def stop(comm: MPI.Comm) -> None:
         worker = _workers.pop(comm.handle, None)
     if worker is not None:
         worker.end()
+
+
+def retire(comm: MPI.Comm) -> None:
+    """End ``comm``'s worker once what is queued there has run, without waiting for it (its
+    owner was collected, leaving ``comm`` to ``MPI_Finalize``). Local; takes no lock, so a
+    finalizer may call it whatever the thread was doing."""
+    worker = _workers.pop(comm.handle, None)
+    if worker is not None:
+        worker.end(join=False)

@@ -2,6 +2,8 @@
 and windows on every rank, closing twice does nothing, use after close is a clear error, and
 the garbage collector never frees one (it warns and leaves it to MPI_Finalize)."""
 import gc
+import threading
+import time
 from collections import Counter
 import warnings
 from pathlib import Path
@@ -11,7 +13,8 @@ import torch
 from mpi4py import MPI
 
 from tensorplay_hpc import comm
-from tensorplay_hpc.comm import lifetime
+from tensorplay_hpc.comm import lifetime, worker
+from tensorplay_hpc.comm.work import in_background
 from tensorplay_hpc.comm.private import private_comm
 from tensorplay_hpc.distributed import rma
 from tensorplay_hpc.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
@@ -157,10 +160,16 @@ def test_a_group_collected_unclosed_warns_and_is_left_to_mpi_finalize():
     gc.collect()                 # other tests' objects are not counted below
     group = comm.ProcessGroup(owner="a forgotten test group")
     raw = group._comm
+    in_background(group.comm, lambda: None).wait()   # its worker thread, where there are any
+    after = threading.active_count() - (1 if worker.available() else 0)   # the worker ended
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         del group
         gc.collect()
+    deadline = time.monotonic() + 10
+    while threading.active_count() > after and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert threading.active_count() == after
     messages = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
     assert messages == [
         f"a forgotten test group: communicator MPI_COMM_WORLD (private duplicate) of {WORLD.size} "
