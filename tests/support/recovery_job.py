@@ -1,20 +1,21 @@
 """``tensorplay-hpc train`` in which ranks die: ``recovery_job.py RANKS STEP TRAIN-OPTIONS``.
 
-Each world rank of RANKS (one, or several joined by commas: a whole node) kills itself with
-SIGKILL in step STEP + 1 (after committing step STEP, once its partner copies have arrived), as
-a crash would end it; with STEP given as ``N/validation``, in the validation after step N
-instead; as ``N/copies``, in step N + 1 with its copies of step N held back (their exchange not
-begun); as ``N/commit``, at its commit of step N + 1 (every collective of that step done) with the
-bytes of its copies of step N held back (their size sent): the partner waits for them, and the
-ranks whose copies do not wait on the partner commit step N + 1, one step further. RANKS ``A>B`` kills A so, and B when the survivors have shrunk their communicator the
-first time (in the recovery); ``A>>B`` kills B when the survivors start rebuilding their
-groups. Every rank prints ``kept S`` once it has kept the state of step S, ``committed S
-DIGEST`` after each step it commits, and ``restored S DIGEST`` once recovery has put back the state of step S, where DIGEST is a SHA-256 of its model
-and optimizer state and of the communication hook's state but its error feedback (every
-tensor's bytes); with PowerSGD's error feedback, also ``committed errors S SUM`` and ``restored
-errors S SUM``, the sum of its elements (in float64). The kill prints ``killing at T`` with
-the time (``time.time()``), the first step of the process ``first step at T`` and the first
-step after recovery ``first step after recovery at T``. RANKS -1 kills no rank.
+Each world rank of RANKS (one, or several joined by commas: a whole node) kills itself with SIGKILL
+in step STEP + 1 (after committing step STEP, once its partner copies have arrived), as a crash
+would end it; with STEP given as ``N/validation``, in the validation after step N instead; as
+``N/copies``, in step N + 1 with its copies of step N held back (their exchange not begun); as
+``N/commit``, at its commit of step N + 1 (every collective of that step done) with the bytes of
+its copies of step N held back (their size sent): the partner waits for them, and the ranks whose
+copies do not wait on the partner commit step N + 1, one step further. RANKS ``A>B`` kills A so,
+and B when the survivors have shrunk their communicator the first time (in the recovery); ``A>>B``
+kills B when the survivors start rebuilding their groups. Every rank prints ``kept S`` once it has
+kept the state of step S, ``committed S DIGEST`` after each step it commits, and ``restored S
+DIGEST`` once recovery has put back the state of step S, where DIGEST is a SHA-256 of its model and
+optimizer state and of the communication hook's state but its error feedback (every tensor's
+bytes); with PowerSGD's error feedback, also ``committed errors S SUM`` and ``restored errors S
+SUM``, the sum of its elements (in float64). The kill prints ``killing at T`` with the time
+(``time.time()``), the first step of the process ``first step at T`` and the first step after
+recovery ``first step after recovery at T``. RANKS -1 kills no rank.
 """
 import hashlib
 import os
