@@ -116,6 +116,8 @@ def main(case: str, folder: str) -> None:
         optimizer.step()
         optimizer.zero_grad()
         path = os.path.join(folder, f"step-{step}.h5")
+        if case == "stall_first_collective" and step == FAULT_STEP:
+            world.Barrier()   # no collective has kept the ranks in step: rank 0 waits from now
         if case.startswith("stall_") and step == FAULT_STEP and late:
             print(f"stalling at {time.time()}", flush=True)
             time.sleep(STALL_S)

@@ -16,6 +16,9 @@ from stopped_rank_job import CASES, STALL_S
 JOB = str(SUPPORT / "stopped_rank_job.py")
 WITHIN_S = 20
 """How soon after the stop or the stall's start a job must have ended."""
+EARLY_S = 0.5
+"""How much earlier than 5 s after the stall's start a job may end: the other rank may enter the
+collective it waits in a moment before the stalling rank prints the time."""
 
 
 def _reported(case: str, err: str) -> bool:
@@ -40,5 +43,5 @@ def test_a_stopped_or_stalled_rank_ends_the_job_naming_it(tmp_path):
     problems = [f"{case}: return code {ended.code}, {ended.seconds:.1f} s after the fault\n"
                 f"{ended.out}{ended.err[-3000:]}" for case, ended in results.items()
                 if ended.code == 0 or "not reached" in ended.out or not _reported(case, ended.err)
-                or not 5 <= ended.seconds < WITHIN_S]
+                or not 5 - EARLY_S <= ended.seconds < WITHIN_S]
     assert not problems, "\n\n".join(problems)
