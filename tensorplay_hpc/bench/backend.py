@@ -1,14 +1,16 @@
 """The ``mpi4py`` torch.distributed backend: collectives called through torch.distributed on a
-group of the backend against a raw mpi4py call on one numpy array of the same bytes (the limit)
-and against the same torch.distributed call on gloo; then PyTorch's own DistributedDataParallel
-and an FSDP2 (``fully_shard``, ZeRO-3) training step with Adam on the benchmark MLP, over the
-backend against over gloo."""
+group of the backend against a raw mpi4py call on one numpy array of the same bytes (the limit),
+against the same call on a group that answers with that raw call and nothing else (the floor of
+any backend written in Python: PyTorch's own path into it) and against the same call on gloo;
+then PyTorch's own DistributedDataParallel and an FSDP2 (``fully_shard``, ZeRO-3) training step
+with Adam on the benchmark MLP, over the backend against over gloo."""
 from __future__ import annotations
 
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import ProcessGroup as _C10dProcessGroup
 
 from tensorplay_hpc.bench.comm import SIZES, bus_factor
 from tensorplay_hpc.bench.gloo import backend_group
@@ -16,12 +18,46 @@ from tensorplay_hpc.bench.models import mlp
 from tensorplay_hpc.bench.report import Report
 from tensorplay_hpc.bench.timing import compare
 from tensorplay_hpc.comm.mpi import MPI
+from tensorplay_hpc.distributed.backend.work import BackendWork
 
 __all__ = ["BATCH", "fully_sharded", "run"]
 
 BATCH = 32
 
 Case = Tuple[str, Callable[[dist.ProcessGroup], Callable[[], object]], Callable[[], object]]
+
+
+class _PythonFloor(_C10dProcessGroup):
+    """A process group that answers each collective with the raw mpi4py call on numpy views
+    of the tensors and a completed handle: no checks, no watchdog, no trace. Timing
+    torch.distributed on it measures what PyTorch's path into a backend written in Python
+    costs by itself."""
+
+    def __init__(self, comm: MPI.Intracomm) -> None:
+        super().__init__(comm.Get_rank(), comm.Get_size())
+        self._comm = comm
+
+    def _done(self) -> BackendWork:
+        return BackendWork(None, [])
+
+    def allreduce(self, tensors: List[torch.Tensor], opts: object) -> BackendWork:
+        self._comm.Allreduce(MPI.IN_PLACE, tensors[0].numpy())
+        return self._done()
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
+                          opts: object) -> BackendWork:
+        self._comm.Allgather(input.numpy(), output.numpy())
+        return self._done()
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
+                              opts: object) -> BackendWork:
+        self._comm.Reduce_scatter(input.numpy(), output.numpy(),
+                                  [output.numel()] * self.size())
+        return self._done()
+
+    def broadcast(self, tensors: List[torch.Tensor], opts: object) -> BackendWork:
+        self._comm.Bcast(tensors[0].numpy(), opts.rootRank)
+        return self._done()
 
 
 def _collectives(nbytes: int, raw: MPI.Intracomm, size: int) -> List[Case]:
@@ -40,7 +76,7 @@ def _collectives(nbytes: int, raw: MPI.Intracomm, size: int) -> List[Case]:
          lambda: raw.Allgather(a_mine, a_whole)),
         ("reduce_scatter", lambda g: lambda: dist.reduce_scatter_single(mine, whole, group=g),
          lambda: raw.Reduce_scatter(a_whole, a_mine, counts)),
-        ("broadcast", lambda g: lambda: dist.broadcast(t, 0, group=g),
+        ("broadcast", lambda g: lambda: dist.broadcast(t, group=g, group_src=0),
          lambda: raw.Bcast(a, 0)),
     ]
 
@@ -84,12 +120,15 @@ def run(report: Report) -> None:
     ours = backend_group()
     gloo = dist.group.WORLD
     raw = MPI.COMM_WORLD.Dup()
+    floor = _PythonFloor(raw)
     size = raw.Get_size()
     for nbytes in SIZES:
         for case, call, limit in _collectives(nbytes, raw, size):
-            ours_s, raw_s, gloo_s = compare([call(ours), limit, call(gloo)], report.repeat)
+            ours_s, raw_s, floor_s, gloo_s = compare(
+                [call(ours), limit, call(floor), call(gloo)], report.repeat)
             busbw = bus_factor(case, size) * nbytes / ours_s / 1e9
-            for baseline, seconds in (("mpi4py-raw", raw_s), ("torch-gloo", gloo_s)):
+            for baseline, seconds in (("mpi4py-raw", raw_s), ("python-backend-floor", floor_s),
+                                      ("torch-gloo", gloo_s)):
                 report.add("backend", case, ours_s, baseline, seconds, nbytes=nbytes,
                            busbw_GBps=round(busbw, 3))
 

@@ -109,7 +109,8 @@ class ProcessGroup(lifetime.Closeable):
     @property
     def comm(self) -> MPI.Intracomm:
         """The private duplicate. Raises ``RuntimeError`` once the group is closed."""
-        self.check_open()
+        if not self._finalizer.alive:   # as check_open(), at the cost of one test
+            self.check_open()
         return self._comm
 
     def check_open(self) -> None:

@@ -29,12 +29,14 @@ __all__ = ["BACKEND_NAME", "MPIProcessGroup", "UnsupportedOperation"]
 BACKEND_NAME = "mpi4py"
 """The name the backend is registered under: ``dist.init_process_group("mpi4py")``."""
 
-_REDUCTIONS = {
-    dist.ReduceOp.SUM: ReduceOp.SUM,
-    dist.ReduceOp.AVG: ReduceOp.AVG,
-    dist.ReduceOp.PRODUCT: ReduceOp.PRODUCT,
-    dist.ReduceOp.MIN: ReduceOp.MIN,
-    dist.ReduceOp.MAX: ReduceOp.MAX,
+_REDUCTIONS = {   # keyed by the value of c10d's RedOpType: a lookup costs no enum hashing
+    kind.value: ours for kind, ours in (
+        (dist.ReduceOp.SUM, ReduceOp.SUM),
+        (dist.ReduceOp.AVG, ReduceOp.AVG),
+        (dist.ReduceOp.PRODUCT, ReduceOp.PRODUCT),
+        (dist.ReduceOp.MIN, ReduceOp.MIN),
+        (dist.ReduceOp.MAX, ReduceOp.MAX),
+    )
 }
 
 
@@ -87,26 +89,25 @@ class MPIProcessGroup(_C10dProcessGroup):
     # --- helpers --------------------------------------------------------------------------
 
     def _reduction(self, op: dist.ReduceOp, what: str) -> ReduceOp:
-        kind = getattr(op, "op", op)   # c10d passes a ReduceOp holding its RedOpType
-        try:
-            return _REDUCTIONS[kind]
-        except (KeyError, TypeError):
+        try:   # c10d passes a ReduceOp holding its RedOpType
+            return _REDUCTIONS[op.op.value]
+        except (AttributeError, KeyError):
+            kind = getattr(op, "op", op)
             raise UnsupportedOperation(
                 f"{what}: the {BACKEND_NAME} backend has no {kind} reduction (it offers SUM, "
                 f"AVG, PRODUCT, MIN and MAX; rank {self.rank()})") from None
 
     def _issue(self, outputs: List[torch.Tensor], asynchronous: bool,
-               start: Callable[[bool], Optional[Work]], then: Callable[[], None] = lambda: None
-               ) -> BackendWork:
+               start: Callable[[bool], Optional[Work]],
+               then: Optional[Callable[[], None]] = None) -> BackendWork:
         """Run ``start(asynchronous)``, a comm-layer call, and wrap what it returns; ``then``
         runs once it has completed (copying results out of a flat buffer)."""
         pending = start(asynchronous)
         if asynchronous:
             pending = Work.all_of([pending] if pending is not None else [], then)
-        else:
+        elif then is not None:
             then()
-            pending = None
-        work = BackendWork(pending, outputs)
+        work = BackendWork(pending if asynchronous else None, outputs)
         if self._coalesced is not None:
             self._coalesced.append(work)
         return work
