@@ -20,9 +20,14 @@ from typing import ContextManager, Dict, Iterator, List, Sequence, Set, Tuple
 
 from .mpi import MPI
 
-__all__ = ["RankLost", "agree", "disable", "enable", "enabled", "finalize_would_stall",
+__all__ = ["EXIT_UNRECOVERABLE", "RankLost", "agree", "disable", "enable", "enabled", "finalize_would_stall",
            "forget", "is_process_failure", "is_revoked", "lost_ranks", "register", "revoke_all",
            "shrink", "surfacing"]
+
+EXIT_UNRECOVERABLE = 86
+"""Exit status of a job that a lost rank ended without recovery (every survivor of a training
+run that could not go on, or the abort when one-sided operations can no longer complete):
+requeue the job, which resumes from its last checkpoint."""
 
 _enabled = False
 _communicators: Dict[int, MPI.Comm] = {}     # the library's communicators, by handle

@@ -46,7 +46,7 @@ from .strategy import POWER_SGD_PREFIX, Strategy
 __all__ = ["EXIT_UNRECOVERABLE", "RECOVERABLE", "Committed", "Rollback", "Unrecoverable",
            "refusal", "shard_bytes", "shard_from_bytes", "survive"]
 
-EXIT_UNRECOVERABLE = 86
+EXIT_UNRECOVERABLE = fault_tolerance.EXIT_UNRECOVERABLE
 """Exit status of every survivor of a lost rank that could not go on: requeue the job (it
 resumes from its last checkpoint)."""
 

@@ -81,3 +81,29 @@ def test_a_hung_rank_is_found_by_the_heartbeat(tmp_path):
         assert 1.5 <= float(lost.group(2)) - stopped < 10.0, output
         assert f"[{rank}] shrunk to 2 without [2]" in output
         assert f"[{rank}] sum 1" in output
+
+
+@only_in_single_rank_run
+@pytest.mark.skipif(ulfm_lane.missing() is not None, reason=str(ulfm_lane.missing()))
+@pytest.mark.timeout(120)
+def test_a_lost_owner_ends_the_one_sided_steps_on_its_parameters(simulated_nodes, tmp_path):
+    """The owner of a DistributedOptimizer's parameters (world rank 3, on the second of 2
+    simulated nodes) dies while 3 trainers step them: its windows do not survive it, so a
+    trainer's one-sided progress thread sees the loss and aborts the job, saying why, within
+    seconds, instead of leaving the trainers waiting for a rank that will never answer.
+    (Open MPI 5 reports status 86 for the abort under ``--with-ft ulfm`` on one node but 0 across
+    nodes, so the test reads the output.)"""
+    out_path = tmp_path / "out"
+    with open(out_path, "w") as out, open(tmp_path / "err", "w") as err:
+        job = ulfm_lane.start(4, [str(SUPPORT / "one_sided_lost_job.py")], out, err,
+                              nodes=simulated_nodes)
+        code = ulfm_lane.wait(job, 90)
+    ended = time.time()
+    output, errors = out_path.read_text(), (tmp_path / "err").read_text()
+    assert code != ulfm_lane.STILL_RUNNING, output + errors
+    assert "[3] transport mpi" in output, output + errors
+    left = float(re.search(r"^\[3\] leaving at (\S+)", output, re.M).group(1))
+    assert ended - left < 30, output + errors
+    assert re.search(r"^\[rank [012]\] the one-sided progress thread: a rank of the job was "
+                     r"lost \(MPI_ERR_PROC_FAILED", errors, re.M), output + errors
+    assert "with no failure" not in output

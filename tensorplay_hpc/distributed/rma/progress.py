@@ -17,6 +17,8 @@ from typing import Optional
 
 from tensorplay_hpc.comm.mpi import MPI
 
+from .thread_failure import end_job
+
 __all__ = ["ProgressThread", "poll"]
 
 
@@ -50,8 +52,11 @@ class ProgressThread:
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stopped.wait(self.interval):
-            poll(self._communicator)
+        try:
+            while not self._stopped.wait(self.interval):
+                poll(self._communicator)
+        except BaseException:  # the one-sided operations waiting on this rank never complete
+            end_job("the one-sided progress thread")
 
     def stop(self) -> None:
         """End the thread and wait for it."""

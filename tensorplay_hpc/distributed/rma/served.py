@@ -22,10 +22,8 @@ starve the owner's service thread and the rank that holds the lock.
 """
 from __future__ import annotations
 
-import sys
 import threading
 import time
-import traceback
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional, Set, Tuple
 
@@ -39,6 +37,7 @@ from tensorplay_hpc.comm.mpi import MPI
 from tensorplay_hpc.comm.small_collectives import all_gather_object, barrier
 
 from .locks import LockManager
+from .thread_failure import end_job
 from .window import check_accumulable, check_transferable
 
 __all__ = ["HEADER", "ServedWindow"]
@@ -241,11 +240,8 @@ class ServedWindow:
     def _serve(self) -> None:
         try:
             self._serve_requests()
-        except BaseException:  # a client waiting on this rank would wait forever: end the job
-            sys.stderr.write(f"rank {self.rank}: the served window's service thread failed:\n"
-                             f"{traceback.format_exc()}")
-            sys.stderr.flush()
-            MPI.COMM_WORLD.Abort(1)
+        except BaseException:  # a client waiting on this rank would wait forever
+            end_job("the served window's service thread")
 
     def _serve_requests(self) -> None:
         header = np.empty(HEADER, dtype=np.int64)
