@@ -20,9 +20,9 @@ from typing import ContextManager, Dict, Iterator, List, Sequence, Set, Tuple
 
 from .mpi import MPI
 
-__all__ = ["EXIT_UNRECOVERABLE", "RankLost", "agree", "disable", "enable", "enabled", "finalize_would_stall",
-           "forget", "is_process_failure", "is_revoked", "lost_ranks", "register", "revoke_all",
-           "shrink", "surfacing"]
+__all__ = ["EXIT_UNRECOVERABLE", "RankLost", "agree", "disable", "enable", "enabled",
+           "finalize_would_stall", "forget", "is_process_failure", "is_revoked", "lost_ranks",
+           "register", "revoke_all", "shrink", "surfacing"]
 
 EXIT_UNRECOVERABLE = 86
 """Exit status of a job that a lost rank ended without recovery (every survivor of a training

@@ -105,9 +105,11 @@ class MPIProcessGroup(_C10dProcessGroup):
         pending = start(asynchronous)
         if asynchronous:
             pending = Work.all_of([pending] if pending is not None else [], then)
-        elif then is not None:
-            then()
-        work = BackendWork(pending if asynchronous else None, outputs)
+        else:   # a blocking call has completed
+            if then is not None:
+                then()
+            pending = None
+        work = BackendWork(pending, outputs)
         if self._coalesced is not None:
             self._coalesced.append(work)
         return work
