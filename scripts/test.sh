@@ -96,7 +96,8 @@ if [ "$lane" = openmpi5 ] && [ $# -eq 0 ]; then
     # ULFM (recovery from a lost rank) needs Open MPI 5; these tests launch jobs of their own.
     echo "=== $lane: the recovery tests (ULFM) under mpiexec -n 1 ==="
     if ! timeout 900 "${MPIEXEC[@]}" -n 1 python -m pytest --with-mpi -q \
-            tests/comm/test_fault_tolerance.py tests/train/test_recovery.py; then
+            tests/comm/test_fault_tolerance.py tests/train/test_recovery.py \
+            tests/optim/test_distributed_optimizer_recovery.py; then
         echo "=== $lane: the recovery tests FAILED ==="
         status=1
     fi

@@ -15,14 +15,15 @@ any other, but what was being written is not to be trusted (see docs/reliability
 """
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager, nullcontext
 from typing import ContextManager, Dict, Iterator, List, Sequence, Set, Tuple
 
 from .mpi import MPI
 
-__all__ = ["EXIT_UNRECOVERABLE", "RankLost", "agree", "disable", "enable", "enabled",
-           "finalize_would_stall", "forget", "is_process_failure", "is_revoked", "lost_ranks",
-           "register", "revoke_all", "shrink", "surfacing"]
+__all__ = ["EXIT_UNRECOVERABLE", "RankLost", "Unrecoverable", "agree", "disable", "enable",
+           "enabled", "finalize_would_stall", "forget", "is_process_failure", "is_revoked",
+           "lost_ranks", "register", "revoke", "revoke_all", "shrink", "surfacing"]
 
 EXIT_UNRECOVERABLE = 86
 """Exit status of a job that a lost rank ended without recovery (every survivor of a training
@@ -32,6 +33,7 @@ requeue the job, which resumes from its last checkpoint."""
 _enabled = False
 _communicators: Dict[int, MPI.Comm] = {}     # the library's communicators, by handle
 _shrunk_away: Set[int] = set()               # MPI.COMM_WORLD ranks that shrink() left out
+_revoking = threading.Lock()
 
 
 class RankLost(RuntimeError):
@@ -51,6 +53,11 @@ class RankLost(RuntimeError):
                  "a rank was lost (another survivor revoked the communicator)")
         super().__init__(f"{named}, seen by world rank {MPI.COMM_WORLD.Get_rank()} in "
                          f"{operation}: {detail}")
+
+
+class Unrecoverable(RuntimeError):
+    """The survivors of a lost rank cannot go on in this job (the message says why): they exit
+    with :data:`EXIT_UNRECOVERABLE`."""
 
 
 def enable() -> None:
@@ -100,13 +107,22 @@ def is_revoked(comm: MPI.Comm) -> bool:
     return _enabled and comm != MPI.COMM_NULL and comm.Is_revoked()
 
 
+def revoke(comms: Sequence[MPI.Comm]) -> None:
+    """Revoke ``comms``: every rank still in, or next entering, an operation on one of them
+    gets ``MPI_ERR_REVOKED``. Local (the revocation reaches the other ranks by itself);
+    revoking twice does nothing. Threads revoke one at a time (Open MPI 5.0 crashed in
+    ``MPIX_Comm_revoke`` when two threads revoked a communicator together)."""
+    with _revoking:
+        for comm in comms:
+            if comm != MPI.COMM_NULL and not comm.Is_revoked():
+                comm.Revoke()
+
+
 def revoke_all(also: Sequence[MPI.Comm] = ()) -> None:
-    """Revoke every registered communicator and ``also``: every rank still in, or next
-    entering, a collective on one of them gets ``MPI_ERR_REVOKED``. Local (the revocation
-    reaches the other ranks by itself); revoking twice does nothing."""
-    for comm in [*_communicators.values(), *also]:
-        if comm != MPI.COMM_NULL and not comm.Is_revoked():
-            comm.Revoke()
+    """:func:`revoke` every registered communicator and ``also``. Local. Call it from the
+    thread that recovers, before :func:`shrink`, whose survivors' communicators it would
+    revoke too."""
+    revoke([*_communicators.values(), *also])
 
 
 def lost_ranks(comm: MPI.Comm) -> List[int]:

@@ -8,18 +8,19 @@ communicator they travelled on is revoked.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
 from . import point_to_point
+from .fault_tolerance import Unrecoverable
 from .group import ProcessGroup
 from .mpi import MPI
 from .node_layout import NodeLayout
 from .small_collectives import all_gather_object
 from .work import Work, in_background
 
-__all__ = ["PartnerCopies", "partner_of"]
+__all__ = ["PartnerCopies", "newest_common", "partner_of"]
 
 _SIZE, _BYTES = 1, 2   # message tags
 
@@ -33,6 +34,19 @@ def partner_of(nodes: List[List[int]], rank: int) -> int:
     node = next(i for i, ranks in enumerate(nodes) if rank in ranks)
     following = nodes[(node + 1) % len(nodes)]
     return following[nodes[node].index(rank) % len(following)]
+
+
+def newest_common(held: Sequence[Sequence[int]]) -> int:
+    """The newest step that every survivor holds whole, from each survivor's list of them
+    (gathered). Local.
+
+    Raises:
+        Unrecoverable: no step is held by every survivor.
+    """
+    common = set.intersection(*(set(steps) for steps in held))
+    if not common:
+        raise Unrecoverable("no committed step is held whole by every survivor")
+    return max(common)
 
 
 class PartnerCopies:
@@ -83,15 +97,15 @@ class PartnerCopies:
             raise TypeError(f"PartnerCopies.keep: the payload of step {step} must be a 1-D "
                             f"uint8 CPU tensor, got {kind} (world rank {self.world_rank})")
         self.settle()
-        self._travelling = in_background(self._group.comm, lambda: self._exchange(step, payload))
+        comm = self._group.comm
+        self._travelling = in_background(comm, lambda: self._exchange(comm, step, payload))
 
     def settle(self) -> None:
         """Wait until the bytes of the last :meth:`keep` are in place; raise what ended their
         exchange (a lost rank's :class:`~.fault_tolerance.RankLost`). Local."""
         self._travelling.wait()
 
-    def _exchange(self, step: int, payload: torch.Tensor) -> None:
-        comm = self._group.comm
+    def _exchange(self, comm: MPI.Intracomm, step: int, payload: torch.Tensor) -> None:
         size = torch.tensor([payload.numel()], dtype=torch.int64)
         sizes = {w: torch.empty(1, dtype=torch.int64) for w in self.backed}
         self._swap(comm, size, sizes, _SIZE)
@@ -118,12 +132,28 @@ class PartnerCopies:
         exchange has ended). Local."""
         return self._held.get(step, {}).get(rank)
 
+    def whole(self, steps: Sequence[int], lost: Sequence[int]) -> List[int]:
+        """Those of ``steps`` for which this rank holds the copies of every rank of ``lost``
+        (world ranks) that it backs. Local."""
+        backed = [rank for rank in lost if rank in self.backed]
+        return [step for step in steps
+                if all(self.held(rank, step) is not None for rank in backed)]
+
+    def check_survived(self, lost: Sequence[int]) -> None:
+        """Raise :class:`~.fault_tolerance.Unrecoverable` if a rank of ``lost`` (world ranks)
+        lost its copies too: its partner is among them. Local."""
+        for rank in lost:
+            if self.partners.get(rank) in lost:
+                raise Unrecoverable(f"world rank {rank}'s own state and its copy on world rank "
+                                    f"{self.partners[rank]} were both lost")
+
     @property
     def steps(self) -> List[int]:
         """The steps whose copies this rank holds, oldest first. Local."""
         return sorted(self._held)
 
     def close(self) -> None:
-        """Let the exchange in flight end, then free the communicator (the copies held stay
-        readable). Collective."""
+        """Let the exchange in flight end (raising what ended it otherwise), then free the
+        communicator (the copies held stay readable). Collective."""
+        self.settle()
         self._group.close()

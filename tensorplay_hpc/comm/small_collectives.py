@@ -103,9 +103,11 @@ def agree_flag(flag: int, comm: MPI.Intracomm) -> int:
 
 
 def barrier(comm: MPI.Intracomm) -> None:
-    """Wait until every rank of ``comm`` has arrived."""
+    """Wait until every rank of ``comm`` has arrived (in a nonblocking barrier: under ULFM a
+    blocking ``MPI_Barrier`` reported a lost rank as ``MPI_ERR_OTHER``, not as a process
+    failure)."""
     with _watched("barrier", comm):
-        comm.Barrier()
+        comm.Ibarrier().Wait()
 
 
 def quiet_barrier(comm: MPI.Intracomm, longest_pause: float = LONGEST_PAUSE_S) -> None:
@@ -114,8 +116,7 @@ def quiet_barrier(comm: MPI.Intracomm, longest_pause: float = LONGEST_PAUSE_S) -
     inside MPI. For a background thread, or one beside a busy one: its waits then leave the
     core, and MPI's progress, to the other thread. Where such a test may stall
     (:func:`~.library.tested_collectives_stall_beside_blocking_ones`), the barrier is waited
-    for inside MPI instead (still the nonblocking one: under ULFM a blocking ``MPI_Barrier``
-    reported a lost rank as ``MPI_ERR_OTHER``, not as a process failure)."""
+    for inside MPI instead (still the nonblocking one, as in :func:`barrier`)."""
     with _watched("quiet_barrier", comm):
         if library.tested_collectives_stall_beside_blocking_ones():
             comm.Ibarrier().Wait()

@@ -36,7 +36,8 @@ from tensorplay_hpc.checkpoint.sharded_tensors import (
     whole_from_rows)
 from tensorplay_hpc.comm import capabilities, fault_tolerance
 from tensorplay_hpc.comm.mpi import MPI
-from tensorplay_hpc.comm.partner_copies import PartnerCopies
+from tensorplay_hpc.comm.fault_tolerance import Unrecoverable
+from tensorplay_hpc.comm.partner_copies import PartnerCopies, newest_common
 from tensorplay_hpc.comm.small_collectives import all_gather_object
 from tensorplay_hpc.distributed.optim import ZeroRedundancyOptimizer
 
@@ -67,10 +68,6 @@ _ROWS_FROM = "rows from"   # with "rows" and "of": a rank's rows of a sharded te
 _COPIED_STEPS = 3
 """Steps kept with partner copies: the two that ranks may be apart, and one more, since the
 newest copies may still be travelling when a rank is lost."""
-
-
-class Unrecoverable(RuntimeError):
-    """The survivors of a lost rank cannot go on in this job; the message says why."""
 
 
 def refusal(config: TrainConfig, survivors: Optional[int] = None,
@@ -243,9 +240,9 @@ class Rollback:
     def supplies(self, lost: List[int]) -> List[int]:
         """The steps kept here whose whole state this rank can give after losing world ranks
         ``lost``: its own, and the copies of the lost ranks it backs. Local."""
-        backed = [r for r in lost if self.copies is not None and r in self.copies.backed]
-        return [c.step for c in self.kept if c.own is None or all(
-            self.copies.held(r, c.step) is not None for r in backed)]
+        whole = (self.copies.whole([c.step for c in self.kept], lost)
+                 if self.copies is not None else [c.step for c in self.kept])
+        return [c.step for c in self.kept if c.own is None or c.step in whole]
 
     def at(self, step: int) -> Committed:
         """The state kept for ``step``.
@@ -332,17 +329,11 @@ def survive(world: MPI.Intracomm, rollback: Rollback) -> Tuple[MPI.Intracomm, Li
     rollback.settle()
     while True:
         survivors, lost = fault_tolerance.shrink(world)
-        partners = rollback.copies.partners if rollback.copies is not None else {}
-        for rank in lost:
-            if partners.get(rank) in lost:
-                raise Unrecoverable(f"world rank {rank}'s own state and its copy on world rank "
-                                    f"{partners[rank]} were both lost")
+        if rollback.copies is not None:
+            rollback.copies.check_survived(lost)
         try:
             held = all_gather_object((rollback.supplies(lost), rollback.sharded), survivors)
-            common = set.intersection(*(set(steps) for steps, _ in held))
-            if not common:
-                raise Unrecoverable("no committed step is held whole by every survivor")
-            step = max(common)
+            step = newest_common([steps for steps, _ in held])
             if any(step in sharded for _, sharded in held):
                 rollback.reassemble(step, lost, survivors)
             return survivors, lost, step

@@ -87,3 +87,19 @@ def test_a_payload_that_is_not_bytes_is_refused_at_once():
         assert copies.steps == []
     finally:
         copies.close()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_close_right_after_keep_lets_the_bytes_arrive():
+    """Rank 0 closes at once after ``keep``, while its bytes may not have left (the other ranks
+    start half a second late): its partner still gets them, and the copies held stay
+    readable after ``close``."""
+    world = MPI.COMM_WORLD
+    copies = PartnerCopies(world)
+    if world.rank:
+        time.sleep(0.5)
+    copies.keep(1, _payload(world.rank, 1))
+    copies.close()
+    for rank in copies.backed:
+        assert torch.equal(copies.held(rank, 1), _payload(rank, 1))

@@ -1,6 +1,7 @@
 """A rank lost while others step a DistributedOptimizer on its parameters, with recovery on
-(launched with ULFM, over simulated nodes so that the windows are not in shared memory): the
-last rank owns a linear layer; the others step it until the owner, after 1 s, dies with
+(launched with ULFM, over simulated nodes so that the windows are not in shared memory) and MPI's
+own windows asked for (the ``mpi`` transport; recovery would take served ones): the last rank
+owns a linear layer; the others step it until the owner, after 1 s, dies with
 SIGKILL. One-sided windows are not fault tolerant: the trainers' operations on the lost owner
 would wait for ever, so the job must end. The owner prints ``transport T`` and ``leaving at
 T`` (``time.time()``); a trainer that steps on prints ``2000 steps with no failure``."""
@@ -11,11 +12,13 @@ import time
 import torch
 
 from tensorplay_hpc.comm import fault_tolerance
+from tensorplay_hpc.comm.capabilities import TRANSPORT_ENV
 from tensorplay_hpc.comm.mpi import MPI
 from tensorplay_hpc.distributed import autograd, rma
 from tensorplay_hpc.distributed.optim import DistributedOptimizer
 
 fault_tolerance.enable()
+os.environ[TRANSPORT_ENV] = "mpi"
 world = MPI.COMM_WORLD
 rank, owner = world.Get_rank(), world.Get_size() - 1
 layer = torch.nn.Linear(64, 64) if rank == owner else None

@@ -43,7 +43,7 @@ from tensorplay_hpc.distributed import autograd
 from tensorplay_hpc.distributed.optim.optimizer_class import check_optimizer_class
 from tensorplay_hpc.distributed.rma import RemoteRef, by_owner
 from tensorplay_hpc.distributed.rma.buffer_pool import empty
-from tensorplay_hpc.distributed.rma.layout import Layout, Spec
+from tensorplay_hpc.distributed.rma.layout import Layout, Spec, view_at
 from tensorplay_hpc.distributed.rma.transport import AnyWindow
 
 __all__ = ["DIRECT_ENV", "DistributedOptimizer", "Held", "ParamKey", "StateEntry", "learn_state"]
@@ -275,6 +275,47 @@ class DistributedOptimizer(Closeable):
                     state[i] = {e.key: e.restore(view.clone())
                                 for e, view in zip(self._entries[key], views)}
         return state
+
+    def owned_bytes(self) -> torch.Tensor:
+        """A copy of this rank's window memory: the values of the tensors it shared, then the
+        optimizer state of those it owns here, as one flat ``uint8`` tensor (after 8 bytes
+        giving the values' length), read under shared locks. :meth:`read_owned_bytes` reads it
+        back on any rank of the group, with no pickling. Not collective."""
+        self._check_open("owned_bytes()")
+        values, state = self._shared.values, self._state
+        with self._own_epoch(values), self._own_epoch(state):
+            length = torch.tensor([values.local.numel()], dtype=torch.int64)
+            return torch.cat([length.view(torch.uint8), values.local, state.local])
+
+    def read_owned_bytes(self, owner: int,
+                         payload: torch.Tensor) -> List[Tuple[torch.Tensor, Dict[str, Any]]]:
+        """What rank ``owner``'s :meth:`owned_bytes` gave ``payload`` of: for each tensor it
+        shared, in its order, a copy of the value (with the tensor's ``requires_grad``) and its
+        optimizer state (``{}`` for one not stepped yet, or in no rank's references). Local.
+
+        Raises:
+            ValueError: ``payload`` does not have the size of ``owner``'s memory.
+        """
+        length = int(payload[:8].view(torch.int64)[0]) if payload.numel() >= 8 else 0
+        values, state = payload[8:8 + length], payload[8 + length:]
+        held = []
+        try:
+            for ref in self._shared.refs_of(owner):
+                value = view_at(values, self._shared.value_offset(ref), ref.shape, ref.dtype)
+                key = (owner, ref.index)
+                entries: Dict[str, Any] = {}
+                if key in self._offsets:
+                    flag, *views = [view_at(state, offset, *spec)
+                                    for offset, spec in zip(self._offsets[key], self._specs(key))]
+                    if flag.item():
+                        entries = {e.key: e.restore(view.clone())
+                                   for e, view in zip(self._entries[key], views)}
+                held.append((value.clone().requires_grad_(ref.requires_grad), entries))
+        except RuntimeError as error:   # a view past the end
+            raise ValueError(f"DistributedOptimizer.read_owned_bytes on rank {self._shared.rank}: "
+                             f"{payload.numel()} bytes are not rank {owner}'s window memory "
+                             f"({error})") from None
+        return held
 
     def load_owned(self, parameters: Dict[int, torch.Tensor],
                    state: Dict[int, Dict[str, Any]]) -> None:

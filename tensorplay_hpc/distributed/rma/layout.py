@@ -5,7 +5,7 @@ from typing import List, Sequence, Tuple
 
 import torch
 
-__all__ = ["ALIGNMENT", "Layout", "Spec", "aligned", "nbytes_of"]
+__all__ = ["ALIGNMENT", "Layout", "Spec", "aligned", "nbytes_of", "view_at"]
 
 ALIGNMENT = 64
 """Every tensor starts on a multiple of this many bytes (a cache line; enough for any dtype)."""
@@ -22,6 +22,14 @@ def nbytes_of(spec: Spec) -> int:
     """The bytes a tensor of ``spec = (shape, dtype)`` takes."""
     shape, dtype = spec
     return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+
+
+def view_at(memory: torch.Tensor, offset: int, shape: Tuple[int, ...],
+            dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of ``shape`` and ``dtype`` viewing the bytes of ``memory`` (``uint8``) from
+    ``offset``."""
+    nbytes = nbytes_of((shape, dtype))
+    return memory[offset:offset + nbytes].view(dtype).view(shape)
 
 
 class Layout:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, deque
-from typing import Callable, Deque, Hashable, List, Optional, Tuple
+from typing import Callable, Deque, Hashable, List, Optional, Set, Tuple
 
 __all__ = ["Grant", "LockManager"]
 
@@ -25,6 +25,8 @@ class LockManager:
         self._exclusive: Optional[Hashable] = None
         self._shared: Counter = Counter()
         self._waiting: Deque[Tuple[Hashable, bool, Grant]] = deque()
+        self._sleepers: Set[threading.Event] = set()   # threads in acquire()
+        self._broken: Optional[BaseException] = None
 
     def _grantable(self, exclusive: bool) -> bool:
         if self._exclusive is not None:
@@ -68,7 +70,25 @@ class LockManager:
             grant()
 
     def acquire(self, holder: Hashable, exclusive: bool) -> None:
-        """Block the calling thread until ``holder`` holds the lock."""
+        """Block the calling thread until ``holder`` holds the lock.
+
+        Raises:
+            BaseException: the error given to :meth:`break_all`, if it was called.
+        """
         event = threading.Event()
-        self.request(holder, exclusive, event.set)
-        event.wait()
+        self._sleepers.add(event)
+        try:
+            if self._broken is None:
+                self.request(holder, exclusive, event.set)
+                event.wait()
+        finally:
+            self._sleepers.discard(event)
+        if self._broken is not None:
+            raise self._broken
+
+    def break_all(self, error: BaseException) -> None:
+        """Make every :meth:`acquire`, waiting or to come, raise ``error`` instead: the lock
+        will never be given back (its holder was lost)."""
+        self._broken = error
+        for event in list(self._sleepers):
+            event.set()

@@ -15,6 +15,12 @@ each operation of a client completes before its next one starts, so the operatio
 have completed at the target when its unlock is acknowledged. A get has completed when it returns,
 so a flush costs a round trip only after a put or accumulate.
 
+Unlike MPI's windows, a served window survives a lost rank when recovery is on
+(:mod:`tensorplay_hpc.comm.fault_tolerance`): a service thread that sees the loss revokes the
+window's communicators and stops, a client's wait for a reply fails, and a wait for a lock
+that the lost rank held ends, each with ``RankLost``; the survivors then go on without the
+window.
+
 Replies and the data of gets travel on a second duplicate, on which only the client receives, and
 every waiting thread polls a pending receive with growing sleeps instead of waiting in a blocking
 MPI call, which spins: with more ranks than cores, clients spinning while they wait for a lock
@@ -31,11 +37,12 @@ import numpy as np
 import torch
 
 from tensorplay_hpc import comm
-from tensorplay_hpc.comm import chunking, library, staging, trace
+from tensorplay_hpc.comm import chunking, fault_tolerance, library, staging, trace
 from tensorplay_hpc.comm.dtypes import move_datatype
 from tensorplay_hpc.comm.mpi import MPI
 from tensorplay_hpc.comm.small_collectives import all_gather_object, barrier
 
+from .layout import view_at
 from .locks import LockManager
 from .thread_failure import end_job
 from .window import check_accumulable, check_transferable
@@ -114,11 +121,14 @@ class ServedWindow:
         if tensor is not None:
             header[2:5] = tensor.numel(), _DTYPES.index(tensor.dtype), chunking.chunk_elements()
         header[5] = reduction
-        self._comm.Send([header, MPI.INT64_T], rank, REQUEST)
+        with fault_tolerance.surfacing(f"a request to rank {rank}'s served window", self._comm):
+            self._comm.Send([header, MPI.INT64_T], rank, REQUEST)
 
     def _receive(self, buffer: list, rank: int, tag: int) -> None:
         """Receive a reply or get data from ``rank``'s service, polling."""
-        _poll(self._replies.Irecv(buffer, rank, tag).Test, _EAGER_POLL)
+        with fault_tolerance.surfacing(f"a reply from rank {rank}'s served window",
+                                       self._replies):
+            _poll(self._replies.Irecv(buffer, rank, tag).Test, _EAGER_POLL)
 
     def _await(self, rank: int) -> None:
         self._receive([np.empty(1, dtype=np.int64), MPI.INT64_T], rank, REPLY)
@@ -136,8 +146,9 @@ class ServedWindow:
     def _stream(self, method, tensor: torch.Tensor, rank: int, tag: int) -> None:
         """Send or receive ``tensor``'s memory in chunks."""
         datatype = move_datatype(tensor.dtype)
-        for start, count in chunking.chunks(tensor.numel()):
-            method([staging.memory(tensor, start, count), count, datatype], rank, tag)
+        with fault_tolerance.surfacing(f"data for rank {rank}'s served window", self._comm):
+            for start, count in chunking.chunks(tensor.numel()):
+                method([staging.memory(tensor, start, count), count, datatype], rank, tag)
 
     def get(self, tensor: torch.Tensor, rank: int, offset: int) -> None:
         """Read ``rank``'s bytes from ``offset`` into ``tensor`` (done when it returns)."""
@@ -221,8 +232,7 @@ class ServedWindow:
         if rank is not None and rank != self.rank:
             raise RuntimeError(f"rank {self.rank} cannot see rank {rank}'s window memory: the "
                                "window is served, not in shared memory")
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        return self.local[offset:offset + nbytes].view(dtype).view(shape)
+        return view_at(self.local, offset, shape, dtype)
 
     def free(self) -> None:
         """Stop the service and release the memory. Collective; every rank's epochs must have
@@ -240,6 +250,17 @@ class ServedWindow:
     def _serve(self) -> None:
         try:
             self._serve_requests()
+        except MPI.Exception as error:
+            if not (fault_tolerance.enabled() and fault_tolerance.is_process_failure(error)):
+                end_job("the served window's service thread")
+                return
+            # The survivors recover without this window: every rank's clients and waits for a
+            # lock here raise RankLost. (Not every communicator: the main thread may have
+            # shrunk the job already, and made new ones.)
+            fault_tolerance.revoke([self._comm, self._replies])
+            self._locks.break_all(fault_tolerance.RankLost(
+                fault_tolerance.lost_ranks(self._comm), f"the lock of a served window on rank "
+                f"{self.rank}", error.Get_error_string()))
         except BaseException:  # a client waiting on this rank would wait forever
             end_job("the served window's service thread")
 

@@ -7,7 +7,11 @@
 - ``served``: otherwise, a :class:`~.served.ServedWindow`: a service thread per rank answers the
   others over point-to-point messages; it needs ``MPI_THREAD_MULTIPLE`` on every rank.
 
-``auto`` (the default) takes the first that works; ``TENSORPLAY_HPC_RMA_TRANSPORT`` forces one.
+``auto`` (the default) takes the first that works; while recovery from a lost rank is on
+(:func:`tensorplay_hpc.comm.fault_tolerance.enable`) it takes ``served``, the one that survives a
+lost rank: MPI's windows are not fault tolerant (a lock that the lost rank held in shared memory
+is never released, and the survivors would wait for it for ever).
+``TENSORPLAY_HPC_RMA_TRANSPORT`` forces one.
 When the choice cannot work, every rank raises the same :class:`TransportError` before any
 window exists.
 """
@@ -17,7 +21,7 @@ from typing import List, Union
 
 from tensorplay_hpc.comm.mpi import MPI
 
-from tensorplay_hpc.comm import capabilities, check_consistent
+from tensorplay_hpc.comm import capabilities, check_consistent, fault_tolerance
 from tensorplay_hpc.comm.agreement import fail_together
 from tensorplay_hpc.comm.small_collectives import all_gather_object
 from tensorplay_hpc.comm.capabilities import TRANSPORT_ENV, thread_level_name
@@ -67,13 +71,15 @@ def choose(communicator: MPI.Intracomm, progress_thread: bool = False) -> str:
     if threads:
         raise TransportError(f"rma.share(progress_thread=True) needs MPI_THREAD_MULTIPLE, but "
                              f"{_levels(levels, threads)}: {_TO_MULTIPLE}")
+    recovering = requested == "auto" and fault_tolerance.enabled()
     one_node = capabilities.within_one_node(communicator)
-    if requested in ("auto", "shared") and one_node:
+    if (requested == "shared" or requested == "auto" and not recovering) and one_node:
         return "shared"
     if requested == "shared":
         raise TransportError(f"rma.share: {TRANSPORT_ENV}=shared needs every rank on one node, "
                              "but the group spans nodes; use auto, mpi or served")
-    if requested in ("auto", "mpi") and capabilities.one_sided_works(communicator):
+    if (requested == "mpi" or requested == "auto" and not recovering) and \
+            capabilities.one_sided_works(communicator):
         return "mpi"
     if requested == "mpi":
         raise TransportError(f"rma.share: {TRANSPORT_ENV}=mpi, but MPI.Win.Allocate fails between "
@@ -82,6 +88,8 @@ def choose(communicator: MPI.Intracomm, progress_thread: bool = False) -> str:
     if not below:
         return "served"
     reasons = ("" if requested == "served" else
+               "recovery from a lost rank is on (MPI windows do not survive one); "
+               if recovering else
                "the ranks span nodes (no shared memory) and MPI.Win.Allocate fails between them "
                f"(no one-sided support); ")
     raise TransportError(f"rma.share: no transport works: {reasons}the served transport needs "

@@ -25,6 +25,8 @@ from tensorplay_hpc.comm.communicators import allocate_window, free_window
 from tensorplay_hpc.comm.dtypes import move_datatype, reduce_dtype
 from tensorplay_hpc.comm.mpi import MPI
 
+from .layout import view_at
+
 __all__ = ["Window", "check_accumulable", "check_transferable"]
 
 
@@ -72,9 +74,7 @@ class Window:
         one) from byte ``offset``. Another rank's memory is seen only in a shared-memory window
         (:attr:`shared_memory`), and only inside an epoch on it, after :meth:`sync`."""
         memory = self.local if rank is None or rank == self.rank else self._segment(rank)
-        numel = torch.Size(shape).numel()
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        return memory[offset:offset + nbytes].view(dtype).view(shape)
+        return view_at(memory, offset, shape, dtype)
 
     def _segment(self, rank: int) -> torch.Tensor:
         if not self.shared_memory:
