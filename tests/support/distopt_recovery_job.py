@@ -2,14 +2,16 @@
 one layer of a small network and trains all of it with Adam through one-sided steps, committing
 each step with ``DistributedOptimizerCopies``.
 
-Arguments: VICTIMS KILL_AFTER STEPS [DELAY]. The world ranks VICTIMS (comma-separated) die with
-SIGKILL after committing step KILL_AFTER, at once or DELAY seconds after, in a later step (maybe
-holding a lock on an owner). The survivors recover, check that the parameters and Adam's state
+Arguments: VICTIMS KILL_AFTER STEPS [DELAY [EVERY [WIDTH]]]. The world ranks VICTIMS (comma-separated,
+or ``none``) die with SIGKILL after step KILL_AFTER, at once or DELAY seconds after, in a later
+step (maybe holding a lock on an owner). Every EVERY-th step is committed (default 1; 0: none
+after the first). The layers are WIDTH x WIDTH (default 8). The survivors recover, check that the parameters and Adam's state
 they go on from are bit for bit those they committed at that step, and finish STEPS steps.
 
 Each rank prints ``transport T``; a victim ``leaving at T``; each survivor, once it can step
 again, ``recovered step S of KILL_AFTER, lost LOST, owning N tensors, state same|DIFFERENT, at
-T``, and at the end ``finished STEP loss L digest D`` (T: ``time.time()``)."""
+T``, and at the end ``finished STEP loss L digest D`` and ``mean step M ms`` (of the steps
+after the second, which without VICTIMS take no digests; T: ``time.time()``)."""
 import hashlib
 import os
 import signal
@@ -28,15 +30,16 @@ from tensorplay_hpc.distributed.optim import DistributedOptimizer
 from tensorplay_hpc.distributed.optim.distributed_optimizer_copies import (
     DistributedOptimizerCopies)
 
-victims = [int(r) for r in sys.argv[1].split(",")]
+victims = [] if sys.argv[1] == "none" else [int(r) for r in sys.argv[1].split(",")]
 kill_after, steps = int(sys.argv[2]), int(sys.argv[3])
 delay = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
+every = int(sys.argv[5]) if len(sys.argv) > 5 else 1
+WIDTH = int(sys.argv[6]) if len(sys.argv) > 6 else 8
 fault_tolerance.enable()
 world = MPI.COMM_WORLD
 rank = world.Get_rank()
 torch.manual_seed(rank)
-layer = torch.nn.Linear(8, 8)
-WIDTH = 8
+layer = torch.nn.Linear(WIDTH, WIDTH)
 
 
 def build(group, tensors, origins=None):
@@ -79,13 +82,16 @@ print(f"[{rank}] transport {shared.transport}", flush=True)
 group = comm.ProcessGroup(world, owner="the DistributedOptimizer recovery job")
 digests = {0: digest(copies, optimizer)}
 copies.commit(0)
-step, loss = 0, torch.zeros(1)
+step, loss, started = 0, torch.zeros(1), {}
 while step < steps:
     try:
+        started[step + 1] = time.perf_counter()
         loss = train(step + 1, copies, optimizer, group.rank, group.size)
         comm.all_reduce(loss, group.comm)      # every trainer has stepped
-        digests[step + 1] = digest(copies, optimizer)
-        copies.commit(step + 1)
+        if every and (step + 1) % every == 0:
+            if victims:                        # what the survivors will compare against
+                digests[step + 1] = digest(copies, optimizer)
+            copies.commit(step + 1)
         step += 1
         if rank in victims and step == kill_after:
             if delay:
@@ -104,8 +110,10 @@ while step < steps:
         print(f"[{rank}] recovered step {step} of {kill_after}, lost {lost}, owning "
               f"{len(adopted.tensors)} tensors, state {'same' if same else 'DIFFERENT'}, at "
               f"{time.time():.6f}", flush=True)
+ended = time.perf_counter()
 print(f"[{rank}] finished {step} loss {loss.item() / group.size:.6f} digest "
       f"{digest(copies, optimizer)}", flush=True)
+print(f"[{rank}] mean step {(ended - started[3]) / (steps - 2) * 1e3:.2f} ms", flush=True)
 barrier(group.comm)
 if fault_tolerance.finalize_would_stall():
     os._exit(0)

@@ -524,6 +524,14 @@ class DistributedOptimizer(Closeable):
                                f"{call} cannot be used after close(), which freed its state")
         self._shared.check_open()
 
+    def abandon(self) -> None:
+        """After a lost rank, instead of :meth:`close`: leave the state window and those of the
+        references' ``SharedTensors`` to ``MPI_Finalize``, stopping their threads
+        (:meth:`~tensorplay_hpc.distributed.rma.SharedTensors.abandon`). Local."""
+        self._closed = True
+        self._state.abandon()
+        self._shared.abandon()
+
     def close(self) -> None:
         """Free the state window. Collective. Closing again does nothing; afterwards the
         methods that read or step parameters raise ``RuntimeError``."""

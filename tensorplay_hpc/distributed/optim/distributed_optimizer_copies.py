@@ -121,6 +121,7 @@ class DistributedOptimizerCopies:
                 step is held whole by every survivor.
         """
         fault_tolerance.revoke_all(also=[world])
+        self._optimizer.abandon()          # its windows' threads leave MPI before the shrink
         try:
             self._copies.settle()          # before the shrink: a failure there revokes
         except fault_tolerance.RankLost:   # those copies are then not held

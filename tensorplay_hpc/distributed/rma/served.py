@@ -245,6 +245,13 @@ class ServedWindow:
         self._replies_group.close()
         self._group.close()
 
+    def abandon(self) -> None:
+        """After a lost rank: revoke the window's communicators and wait for the service
+        thread to stop (the memory and communicators are left to ``MPI_Finalize``). Local;
+        call it before shrinking, so that no thread of this window is inside MPI then."""
+        fault_tolerance.revoke([self._comm, self._replies])
+        self._service.join()
+
     # The service thread.
 
     def _serve(self) -> None:
@@ -259,8 +266,7 @@ class ServedWindow:
             # shrunk the job already, and made new ones.)
             fault_tolerance.revoke([self._comm, self._replies])
             self._locks.break_all(fault_tolerance.RankLost(
-                fault_tolerance.lost_ranks(self._comm), f"the lock of a served window on rank "
-                f"{self.rank}", error.Get_error_string()))
+                [], f"the lock of a served window on rank {self.rank}", error.Get_error_string()))
         except BaseException:  # a client waiting on this rank would wait forever
             end_job("the served window's service thread")
 

@@ -165,6 +165,17 @@ class SharedTensors(comm.Closeable):
         self.gradients.get(out, ref.owner(), self.gradient_offset(ref, self.rank))
         return out
 
+    def abandon(self) -> None:
+        """After a lost rank, instead of :meth:`close`: stop this rank's threads of the windows
+        (they are left to ``MPI_Finalize``), so that none is inside MPI while the survivors
+        shrink; afterwards the references raise as after :meth:`close`. Local."""
+        self._closed = True
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+        self.values.abandon()
+        self.gradients.abandon()
+
     def close(self) -> None:
         """Free the windows. Collective. The owner's tensors get their own memory back, with
         their last values, so they remain usable. Closing again does nothing."""

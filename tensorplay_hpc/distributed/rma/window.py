@@ -135,6 +135,10 @@ class Window:
         with trace.rma(f"flush rank {rank}", self._comm_name, 0):
             self.win.Flush(rank)
 
+    def abandon(self) -> None:
+        """After a lost rank: nothing to stop (no thread serves the window); it is left to
+        ``MPI_Finalize``. Local."""
+
     def free(self) -> None:
         """Release the window. Collective; local views of it must not be used afterwards."""
         self.local = torch.empty(0, dtype=torch.uint8)
