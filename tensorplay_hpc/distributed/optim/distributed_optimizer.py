@@ -18,6 +18,8 @@ Every parameter of any rank's references has a global index: its position in the
 ``(owner, index)`` keys (:attr:`DistributedOptimizer.parameter_refs`). Checkpoints use it: each
 owner reads and replaces the values and state of the parameters it owns from its own window
 memory (:meth:`~DistributedOptimizer.owned_state`, :meth:`~DistributedOptimizer.load_owned`).
+To survive a lost owner, that memory is copied whole to a partner rank at each commit
+(:meth:`~DistributedOptimizer.owned_bytes`; see :mod:`.distributed_optimizer_copies`).
 
 The state window has the transport of the shared tensors' windows
 (:mod:`tensorplay_hpc.distributed.rma.transport`). Where that is shared memory (all ranks on one
