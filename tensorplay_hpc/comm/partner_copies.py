@@ -20,9 +20,13 @@ from .node_layout import NodeLayout
 from .small_collectives import all_gather_object
 from .work import Work, in_background
 
-__all__ = ["PartnerCopies", "newest_common", "partner_of"]
+__all__ = ["KEPT_STEPS", "PartnerCopies", "newest_common", "partner_of"]
 
 _SIZE, _BYTES = 1, 2   # message tags
+
+KEPT_STEPS = 3
+"""Steps whose state a rank keeps, its own and its copies: the two that ranks may be apart when
+one is lost, and one more, since the newest copies may still be travelling then."""
 
 
 def partner_of(nodes: List[List[int]], rank: int) -> int:

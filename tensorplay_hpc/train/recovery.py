@@ -37,7 +37,7 @@ from tensorplay_hpc.checkpoint.sharded_tensors import (
 from tensorplay_hpc.comm import capabilities, fault_tolerance
 from tensorplay_hpc.comm.mpi import MPI
 from tensorplay_hpc.comm.fault_tolerance import Unrecoverable
-from tensorplay_hpc.comm.partner_copies import PartnerCopies, newest_common
+from tensorplay_hpc.comm.partner_copies import KEPT_STEPS, PartnerCopies, newest_common
 from tensorplay_hpc.comm.small_collectives import all_gather_object
 from tensorplay_hpc.distributed.optim import ZeroRedundancyOptimizer
 
@@ -64,10 +64,6 @@ _SHARD, _ROWS = "optimizer", "model"
 _ERROR_FEEDBACK = POWER_SGD_PREFIX + "error_dict."
 _ROWS_FROM = "rows from"   # with "rows" and "of": a rank's rows of a sharded tensor of so many
 
-
-_COPIED_STEPS = 3
-"""Steps kept with partner copies: the two that ranks may be apart, and one more, since the
-newest copies may still be travelling when a rank is lost."""
 
 
 def refusal(config: TrainConfig, survivors: Optional[int] = None,
@@ -204,7 +200,7 @@ class Rollback:
         copies = self._partner_copies(strategy) if sent else None
         if copies is not None:
             copies.keep(step, payload if sent.keys() == own.keys() else shard_bytes(sent))
-        older = 1 if self.copies is None else _COPIED_STEPS - 1
+        older = 1 if self.copies is None else KEPT_STEPS - 1
         self.kept = [*self.kept[-older:], Committed(step, model, state, hook, payload)]
 
     def _partner_copies(self, strategy: Strategy) -> Optional[PartnerCopies]:
@@ -214,7 +210,7 @@ class Rollback:
                 self.copies.close()
             self._copies_of = strategy
             group = strategy.ranks
-            self.copies = (PartnerCopies(group, depth=_COPIED_STEPS) if group.Get_size() > 1
+            self.copies = (PartnerCopies(group, depth=KEPT_STEPS) if group.Get_size() > 1
                            else None)
         return self.copies
 

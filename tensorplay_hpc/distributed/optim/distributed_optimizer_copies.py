@@ -22,7 +22,7 @@ import torch
 
 from tensorplay_hpc.comm import fault_tolerance
 from tensorplay_hpc.comm.mpi import MPI
-from tensorplay_hpc.comm.partner_copies import PartnerCopies, newest_common
+from tensorplay_hpc.comm.partner_copies import KEPT_STEPS, PartnerCopies, newest_common
 from tensorplay_hpc.comm.small_collectives import all_gather_object, barrier
 from tensorplay_hpc.distributed.rma import RemoteRef
 
@@ -32,10 +32,6 @@ __all__ = ["Adopted", "DistributedOptimizerCopies", "Origin"]
 
 Origin = Tuple[int, int]
 """``(world rank, index)``: where a shared tensor was first exposed."""
-
-_KEPT_STEPS = 3
-"""Steps kept: the two that ranks may be apart at a loss, and one more, since the newest
-copies may still be travelling then."""
 
 
 @dataclass
@@ -96,7 +92,7 @@ class DistributedOptimizerCopies:
             ref: gathered[rank][1][ref.index] for rank in range(shared.size)
             for ref in shared.refs_of(rank)}
         self.refs: List[RemoteRef] = sorted(self.origins, key=self.origins.__getitem__)
-        self._copies = PartnerCopies(self._comm, depth=_KEPT_STEPS)
+        self._copies = PartnerCopies(self._comm, depth=KEPT_STEPS)
         self._kept: Dict[int, torch.Tensor] = {}
 
     def commit(self, step: int) -> None:
@@ -105,7 +101,7 @@ class DistributedOptimizerCopies:
         ended; it returns once every rank has taken its copy, before any trainer steps on."""
         barrier(self._comm)           # every trainer's steps of ``step`` have ended
         payload = self._optimizer.owned_bytes()
-        self._kept = {s: self._kept[s] for s in sorted(self._kept)[-(_KEPT_STEPS - 1):]}
+        self._kept = {s: self._kept[s] for s in sorted(self._kept)[-(KEPT_STEPS - 1):]}
         self._kept[step] = payload
         self._copies.keep(step, payload)
         barrier(self._comm)           # no trainer steps on before every owner has its copy
