@@ -41,6 +41,7 @@ def _piece_bytes() -> int:
     return int(os.environ.get(PIECE_ENV) or PIECE_BYTES)
 
 
+@read_once
 def piece_elements(element_size: int) -> int:
     """Elements of ``element_size`` bytes in one piece of a blocking allreduce (within the
     count limit)."""

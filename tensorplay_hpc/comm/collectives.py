@@ -46,9 +46,10 @@ def _queueable(collective: C) -> C:
     the whole library): a deadlock."""
     @functools.wraps(collective)
     def call(*args, async_op: bool = False, **kwargs):
-        if (not (async_op and worker.in_thread())
-                or kwargs.get("in_dtype") and is_half(args[0].dtype)):
-            return collective(*args, async_op=async_op, **kwargs)
+        if not async_op:   # the common case at once
+            return collective(*args, **kwargs)
+        if not worker.in_thread() or kwargs.get("in_dtype") and is_half(args[0].dtype):
+            return collective(*args, async_op=True, **kwargs)
         values = (*args, *kwargs.values())
         for value in values:
             for tensor in value if isinstance(value, (list, tuple)) else (value,):

@@ -51,6 +51,8 @@ class ReduceOp(Enum):
     MIN = "min"
     MAX = "max"
 
+    __hash__ = object.__hash__   # members are singletons: hashed in C, as dict keys on every call
+
 
 NATIVE = _Table(lambda: {   # the dtypes that MPI moves and reduces as they are
     torch.float64: MPI.DOUBLE,

@@ -16,9 +16,9 @@ T = TypeVar("T")
 _cached: List[Any] = []
 
 
-def read_once(read: Callable[[], T]) -> Callable[[], T]:
-    """``read`` (no arguments), called once and then answered from memory until :func:`reload`.
-    A read that raises is not kept: the next call reads again."""
+def read_once(read: Callable[..., T]) -> Callable[..., T]:
+    """``read``, called once for each set of (hashable) arguments and then answered from memory
+    until :func:`reload`. A read that raises is not kept: the next call reads again."""
     cached = functools.lru_cache(maxsize=None)(read)
     _cached.append(cached)
     return cached

@@ -45,8 +45,12 @@ def memory(tensor: torch.Tensor, start: int = 0, count: Optional[int] = None) ->
 def direct_datatype(tensor: torch.Tensor) -> Optional[MPI.Datatype]:
     """The MPI datatype of a tensor MPI can take as it is (a contiguous CPU tensor of a dtype MPI
     knows), else ``None``: such a tensor needs no :class:`Staged`."""
-    datatype = NATIVE.get(tensor.dtype) if tensor.is_cpu else None
-    return datatype if datatype is not None and tensor.is_contiguous() else None
+    if not (tensor.is_cpu and tensor.is_contiguous()):
+        return None
+    try:   # a plain lookup: this runs on every collective
+        return NATIVE[tensor.dtype]
+    except KeyError:
+        return None
 
 
 class Staged:

@@ -98,11 +98,12 @@ class MPIProcessGroup(_C10dProcessGroup):
                 f"AVG, PRODUCT, MIN and MAX; rank {self.rank()})") from None
 
     def _issue(self, outputs: List[torch.Tensor], asynchronous: bool,
-               start: Callable[[bool], Optional[Work]],
-               then: Optional[Callable[[], None]] = None) -> BackendWork:
-        """Run ``start(asynchronous)``, a comm-layer call, and wrap what it returns; ``then``
-        runs once it has completed (copying results out of a flat buffer)."""
-        pending = start(asynchronous)
+               collective: Callable[..., Optional[Work]], *args: object,
+               then: Optional[Callable[[], None]] = None, **kwargs: object) -> BackendWork:
+        """``collective(*args, **kwargs)``, a comm-layer call, started with ``asynchronous``
+        and wrapped in a handle; ``then`` runs once it has completed (copying results out of a
+        flat buffer)."""
+        pending = collective(*args, async_op=asynchronous, **kwargs)
         if asynchronous:
             pending = Work.all_of([pending] if pending is not None else [], then)
         else:   # a blocking call has completed
@@ -134,26 +135,25 @@ class MPIProcessGroup(_C10dProcessGroup):
     def allreduce(self, tensors: List[torch.Tensor], opts: dist.AllreduceOptions) -> BackendWork:
         op = self._reduction(opts.reduceOp, "allreduce")
         tensor = self._single("allreduce", tensors)
-        return self._issue(tensors, opts.asyncOp,
-                           lambda a: collectives.all_reduce(tensor, self.comm, op, async_op=a))
+        return self._issue(tensors, opts.asyncOp, collectives.all_reduce, tensor, self.comm, op)
 
     def allreduce_coalesced(self, tensors: List[torch.Tensor],
                             opts: dist.AllreduceCoalescedOptions) -> BackendWork:
         op = self._reduction(opts.reduceOp, "allreduce_coalesced")
-        return self._issue(tensors, opts.asyncOp, lambda a: collectives.all_reduce_coalesced(
-            tensors, self.comm, op, async_op=a))
+        return self._issue(tensors, opts.asyncOp, collectives.all_reduce_coalesced, tensors,
+                           self.comm, op)
 
     def reduce(self, tensors: List[torch.Tensor], opts: dist.ReduceOptions) -> BackendWork:
         op = self._reduction(opts.reduceOp, "reduce")
         tensor = self._single("reduce", tensors)
-        return self._issue(tensors, opts.asyncOp, lambda a: collectives.reduce(
-            tensor, self.comm, opts.rootRank, op, async_op=a))
+        return self._issue(tensors, opts.asyncOp, collectives.reduce, tensor, self.comm,
+                           opts.rootRank, op)
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,
                              opts: dist.ReduceScatterOptions) -> BackendWork:
         op = self._reduction(opts.reduceOp, "reduce_scatter_tensor")
-        return self._issue([output], opts.asyncOp, lambda a: collectives.reduce_scatter(
-            output, input, self.comm, op=op, async_op=a))
+        return self._issue([output], opts.asyncOp, collectives.reduce_scatter, output, input,
+                           self.comm, op=op)
 
     reduce_scatter_single = _reduce_scatter_base
 
@@ -164,8 +164,8 @@ class MPIProcessGroup(_C10dProcessGroup):
         counts = [t.numel() for t in inputs]
         op = self._reduction(opts.reduceOp, "reduce_scatter")
         flat = _flat(inputs)
-        return self._issue(outputs, opts.asyncOp, lambda a: collectives.reduce_scatter(
-            output, flat, self.comm, counts=counts, op=op, async_op=a))
+        return self._issue(outputs, opts.asyncOp, collectives.reduce_scatter, output, flat,
+                           self.comm, counts=counts, op=op)
 
     def reduce_scatter_tensor_coalesced(self, outputs: List[torch.Tensor],
                                         inputs: List[torch.Tensor],
@@ -178,13 +178,12 @@ class MPIProcessGroup(_C10dProcessGroup):
 
     def broadcast(self, tensors: List[torch.Tensor], opts: dist.BroadcastOptions) -> BackendWork:
         tensor = self._single("broadcast", tensors)
-        return self._issue(tensors, opts.asyncOp, lambda a: collectives.broadcast(
-            tensor, self.comm, opts.rootRank, async_op=a))
+        return self._issue(tensors, opts.asyncOp, collectives.broadcast, tensor, self.comm,
+                           opts.rootRank)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor,
                         opts: dist.AllgatherOptions) -> BackendWork:
-        return self._issue([output], opts.asyncOp, lambda a: collectives.all_gather(
-            output, input, self.comm, async_op=a))
+        return self._issue([output], opts.asyncOp, collectives.all_gather, output, input, self.comm)
 
     all_gather_single = _allgather_base
 
@@ -197,8 +196,8 @@ class MPIProcessGroup(_C10dProcessGroup):
                              f"{self.size()} ranks (rank {self.rank()})")
         counts = [t.numel() for t in outputs]
         flat = torch.empty(sum(counts), dtype=input.dtype, device=input.device)
-        return self._issue(output_lists, opts.asyncOp, lambda a: collectives.all_gather_v(
-            flat, counts, self.comm, input, async_op=a), lambda: _unpack(flat, outputs))
+        return self._issue(output_lists, opts.asyncOp, collectives.all_gather_v, flat, counts,
+                           self.comm, input, then=lambda: _unpack(flat, outputs))
 
     def allgather_coalesced(self, output_lists: List[List[torch.Tensor]],
                             inputs: List[torch.Tensor], opts: dist.AllgatherOptions) -> BackendWork:
@@ -237,8 +236,8 @@ class MPIProcessGroup(_C10dProcessGroup):
                 raise ValueError(f"scatter: the root has {len(inputs)} input tensors for a "
                                  f"group of {self.size()} ranks (rank {self.rank()})")
             flat = _flat(inputs)
-        return self._issue(outputs, opts.asyncOp, lambda a: collectives.scatter(
-            output, flat, self.comm, root, async_op=a))
+        return self._issue(outputs, opts.asyncOp, collectives.scatter, output, flat, self.comm,
+                           root)
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor,
                       output_split_sizes: List[int], input_split_sizes: List[int],
@@ -247,8 +246,8 @@ class MPIProcessGroup(_C10dProcessGroup):
         row_in = input[0].numel() if input.dim() else 1
         out_counts = [s * row_out for s in output_split_sizes] or None
         in_counts = [s * row_in for s in input_split_sizes] or None
-        return self._issue([output], opts.asyncOp, lambda a: collectives.all_to_all_v(
-            output, input, self.comm, out_counts, in_counts, async_op=a))
+        return self._issue([output], opts.asyncOp, collectives.all_to_all_v, output, input,
+                           self.comm, out_counts, in_counts)
 
     all_to_all_single = alltoall_base
 
@@ -257,9 +256,9 @@ class MPIProcessGroup(_C10dProcessGroup):
         flat_in = _flat(inputs)
         flat_out = torch.empty(sum(t.numel() for t in outputs), dtype=flat_in.dtype,
                                device=flat_in.device)
-        return self._issue(outputs, opts.asyncOp, lambda a: collectives.all_to_all_v(
-            flat_out, flat_in, self.comm, [t.numel() for t in outputs],
-            [t.numel() for t in inputs], async_op=a), lambda: _unpack(flat_out, outputs))
+        return self._issue(outputs, opts.asyncOp, collectives.all_to_all_v, flat_out, flat_in,
+                           self.comm, [t.numel() for t in outputs],
+                           [t.numel() for t in inputs], then=lambda: _unpack(flat_out, outputs))
 
     # --- synchronization and point to point ---------------------------------------------------
 
