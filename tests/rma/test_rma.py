@@ -10,7 +10,7 @@ from mpi4py import MPI
 from lanes import LANE
 from launch import mpiexec, only_in_single_rank_run
 from tensorplay_hpc import comm
-from tensorplay_hpc.comm import capabilities, library
+from tensorplay_hpc.comm import capabilities, fault_tolerance, library
 from tensorplay_hpc.distributed import autograd, rma
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64]
@@ -225,6 +225,22 @@ def test_an_unknown_transport_is_an_error_on_every_rank(world, monkeypatch):
                                          r"ranks: rank 0: .*'carrier-pigeon'.*auto, shared, mpi, "
                                          "served"):
         rma.share([torch.zeros(1)])
+
+
+def test_recovery_enabled_on_some_ranks_only_is_an_error_on_every_rank(world):
+    """Recovery decides the transport: a rank that enabled it alone would make other windows
+    than the rest."""
+    if world.Get_size() < 2:
+        pytest.skip("needs two ranks")
+    if world.Get_rank() == 1:
+        fault_tolerance.enable()
+    try:
+        with pytest.raises(ValueError, match=r"fault_tolerance.enable\(\): ranks \[1\] differ "
+                                             r"from rank 0 .*rank 0 has \('recovery', False\), "
+                                             r"rank 1 has \('recovery', True\)"):
+            rma.share([torch.zeros(1)])
+    finally:
+        fault_tolerance.disable()
 
 
 def test_shared_memory_forced_across_nodes_is_an_error_on_every_rank(world, monkeypatch):

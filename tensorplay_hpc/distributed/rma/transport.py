@@ -57,13 +57,15 @@ def choose(communicator: MPI.Intracomm, progress_thread: bool = False) -> str:
     Raises:
         TransportError: on every rank, naming the transport, the ranks and what to enable.
         ValueError: on every rank, if ``TENSORPLAY_HPC_RMA_TRANSPORT`` is invalid on any, or
-            differs between ranks.
+            if it or whether recovery is enabled (:func:`.fault_tolerance.enable`) differs
+            between ranks.
     """
     requested = None
     with fail_together(communicator, f"rma.share: reading {TRANSPORT_ENV}", ValueError,
                        catch=ValueError):
         requested = capabilities.requested_transport()
-    check_consistent(communicator, f"rma.share: {TRANSPORT_ENV}", [("transport", requested)])
+    check_consistent(communicator, f"rma.share: {TRANSPORT_ENV} and fault_tolerance.enable()",
+                     [("transport", requested), ("recovery", fault_tolerance.enabled())])
     levels = capabilities.thread_levels(communicator)
     below = [rank for rank, level in enumerate(levels) if level < MPI.THREAD_MULTIPLE]
     threads = [rank for rank, wanted in enumerate(all_gather_object(progress_thread, communicator))
