@@ -18,6 +18,7 @@ from tensorplay_hpc.bench.models import mlp
 from tensorplay_hpc.bench.report import Report
 from tensorplay_hpc.bench.timing import compare
 from tensorplay_hpc.comm.mpi import MPI
+from tensorplay_hpc.comm.staging import memory
 from tensorplay_hpc.distributed.backend.work import BackendWork
 
 __all__ = ["BATCH", "fully_sharded", "run"]
@@ -28,10 +29,10 @@ Case = Tuple[str, Callable[[dist.ProcessGroup], Callable[[], object]], Callable[
 
 
 class _PythonFloor(_C10dProcessGroup):
-    """A process group that answers each collective with the raw mpi4py call on numpy views
-    of the tensors and a completed handle: no checks, no watchdog, no trace. Timing
-    torch.distributed on it measures what PyTorch's path into a backend written in Python
-    costs by itself."""
+    """A process group that answers each collective with the raw mpi4py call on the tensors'
+    own memory (float32, as the benchmark's tensors are) and a completed handle: no checks, no
+    watchdog, no trace. Timing torch.distributed on it measures what PyTorch's path into a
+    backend written in Python costs by itself."""
 
     def __init__(self, comm: MPI.Intracomm) -> None:
         super().__init__(comm.Get_rank(), comm.Get_size())
@@ -41,22 +42,22 @@ class _PythonFloor(_C10dProcessGroup):
         return BackendWork(None, [])
 
     def allreduce(self, tensors: List[torch.Tensor], opts: object) -> BackendWork:
-        self._comm.Allreduce(MPI.IN_PLACE, tensors[0].numpy())
+        self._comm.Allreduce(MPI.IN_PLACE, [memory(tensors[0]), MPI.FLOAT])
         return self._done()
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
                           opts: object) -> BackendWork:
-        self._comm.Allgather(input.numpy(), output.numpy())
+        self._comm.Allgather([memory(input), MPI.FLOAT], [memory(output), MPI.FLOAT])
         return self._done()
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
                               opts: object) -> BackendWork:
-        self._comm.Reduce_scatter(input.numpy(), output.numpy(),
+        self._comm.Reduce_scatter([memory(input), MPI.FLOAT], [memory(output), MPI.FLOAT],
                                   [output.numel()] * self.size())
         return self._done()
 
     def broadcast(self, tensors: List[torch.Tensor], opts: object) -> BackendWork:
-        self._comm.Bcast(tensors[0].numpy(), opts.rootRank)
+        self._comm.Bcast([memory(tensors[0]), MPI.FLOAT], opts.rootRank)
         return self._done()
 
 
