@@ -1,11 +1,13 @@
 """The ``mpi4py`` torch.distributed backend: collectives called through torch.distributed on a
-group of the backend against a raw mpi4py call on one numpy array of the same bytes (the limit),
-against the same call on a group that answers with that raw call and nothing else (the floor of
-any backend written in Python: PyTorch's own path into it) and against the same call on gloo;
-then PyTorch's own DistributedDataParallel and an FSDP2 (``fully_shard``, ZeRO-3) training step
-with Adam on the benchmark MLP, over the backend against over gloo."""
+group of the backend against a raw mpi4py call on the same bytes (the limit), against the same
+call on a group that answers with that raw call and nothing else (the floor of any backend
+written in Python: PyTorch's own path into it) and against the same call on gloo; then PyTorch's
+own DistributedDataParallel and an FSDP2 (``fully_shard``, ZeRO-3) training step with Adam on
+the benchmark MLP, over the backend against over gloo. Each row gives the medians of
+interleaved rounds and the spread of each side's rounds."""
 from __future__ import annotations
 
+from statistics import median
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -16,7 +18,7 @@ from tensorplay_hpc.bench.comm import SIZES, bus_factor
 from tensorplay_hpc.bench.gloo import backend_group
 from tensorplay_hpc.bench.models import mlp
 from tensorplay_hpc.bench.report import Report
-from tensorplay_hpc.bench.timing import compare
+from tensorplay_hpc.bench.timing import interleaved, spread
 from tensorplay_hpc.comm.mpi import MPI
 from tensorplay_hpc.comm.staging import memory
 from tensorplay_hpc.distributed.backend.work import BackendWork
@@ -117,6 +119,14 @@ def _training_step(model: torch.nn.Module, x: torch.Tensor,
     return step
 
 
+def _add(report: Report, case: str, ours_s: List[float], baseline: str, base_s: List[float],
+         **extra: object) -> None:
+    """Report the medians of two lists of samples (seconds per call), with the spread of
+    each."""
+    report.add("backend", case, median(ours_s), baseline, median(base_s),
+               ours_spread=spread(ours_s), base_spread=spread(base_s), **extra)
+
+
 def run(report: Report) -> None:
     ours = backend_group()
     gloo = dist.group.WORLD
@@ -125,27 +135,27 @@ def run(report: Report) -> None:
     size = raw.Get_size()
     for nbytes in SIZES:
         for case, call, limit in _collectives(nbytes, raw, size):
-            ours_s, raw_s, floor_s, gloo_s = compare(
-                [call(ours), limit, call(floor), call(gloo)], report.repeat)
-            busbw = bus_factor(case, size) * nbytes / ours_s / 1e9
-            for baseline, seconds in (("mpi4py-raw", raw_s), ("python-backend-floor", floor_s),
-                                      ("torch-gloo", gloo_s)):
-                report.add("backend", case, ours_s, baseline, seconds, nbytes=nbytes,
-                           busbw_GBps=round(busbw, 3))
+            ours_s, *baselines = interleaved([call(ours), limit, call(floor), call(gloo)],
+                                             report.repeat)
+            busbw = bus_factor(case, size) * nbytes / median(ours_s) / 1e9
+            for baseline, base_s in zip(("mpi4py-raw", "python-backend-floor", "torch-gloo"),
+                                        baselines):
+                _add(report, case, ours_s, baseline, base_s, nbytes=nbytes,
+                     busbw_GBps=round(busbw, 3))
 
     x = torch.randn(BATCH, 1024, generator=torch.Generator().manual_seed(raw.Get_rank()))
     steps = []
     for group in (ours, gloo):
         ddp = torch.nn.parallel.DistributedDataParallel(mlp(), process_group=group)
         steps.append(_training_step(ddp, x))
-    ours_s, gloo_s = compare(steps, report.repeat)
-    report.add("backend", "torch DDP step (mlp, no optimizer)", ours_s, "torch-gloo", gloo_s)
+    ours_s, gloo_s = interleaved(steps, report.repeat)
+    _add(report, "torch DDP step (mlp, no optimizer)", ours_s, "torch-gloo", gloo_s)
 
     steps = []
     for group in (ours, gloo):
         model = fully_sharded(group)
         steps.append(_training_step(model, x, torch.optim.Adam(model.parameters(), lr=1e-3)))
-    ours_s, gloo_s = compare(steps, report.repeat)
-    report.add("backend", "FSDP2 step (mlp, zero-3, adam)", ours_s, "torch-gloo", gloo_s)
+    ours_s, gloo_s = interleaved(steps, report.repeat)
+    _add(report, "FSDP2 step (mlp, zero-3, adam)", ours_s, "torch-gloo", gloo_s)
     raw.Free()
     dist.destroy_process_group(ours)

@@ -32,11 +32,10 @@ from tensorplay_hpc import checkpoint
 from tensorplay_hpc.checkpoint import restore, writer
 from tensorplay_hpc.checkpoint.replicas import Replicas
 from tensorplay_hpc.bench import checkpoint_scaling
-from tensorplay_hpc.bench.checkpoint_scaling import spread
 from tensorplay_hpc.bench.gloo import init_gloo
 from tensorplay_hpc.bench.models import TINY_COUNT, mlp, tiny_parameters
 from tensorplay_hpc.bench.report import Report
-from tensorplay_hpc.bench.timing import compare, interleaved
+from tensorplay_hpc.bench.timing import compare, interleaved, spread
 from tensorplay_hpc.distributed.optim import ZeroRedundancyOptimizer
 
 __all__ = ["REPEAT", "run"]

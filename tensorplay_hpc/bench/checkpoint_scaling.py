@@ -18,17 +18,12 @@ from tensorplay_hpc.comm.mpi import MPI
 
 from tensorplay_hpc import checkpoint
 from tensorplay_hpc.bench.report import Report
-from tensorplay_hpc.bench.timing import interleaved
+from tensorplay_hpc.bench.timing import interleaved, spread
 from tensorplay_hpc.distributed.optim import ZeroRedundancyOptimizer
 
-__all__ = ["WIDTH", "LAYERS", "measure", "raw_io", "run", "spread"]
+__all__ = ["WIDTH", "LAYERS", "measure", "raw_io", "run"]
 
 WIDTH, LAYERS = 512, 8
-
-
-def spread(samples: List[float]) -> float:
-    """The samples' range relative to their median: ``(max - min) / median``."""
-    return round((max(samples) - min(samples)) / statistics.median(samples), 3)
 
 
 def _zero(comm: MPI.Intracomm):

@@ -8,7 +8,7 @@ from typing import Callable, List, Optional, Sequence
 
 from tensorplay_hpc.comm.mpi import MPI
 
-__all__ = ["MIN_SAMPLE_S", "compare", "interleaved", "median_seconds"]
+__all__ = ["MIN_SAMPLE_S", "compare", "interleaved", "median_seconds", "spread"]
 
 MIN_SAMPLE_S = 0.02   # calls shorter than this are timed in batches, so barrier skew washes out
 
@@ -60,3 +60,8 @@ def interleaved(fns: Sequence[Callable[[], object]], repeat: int = 7, warmup: in
         for k in reversed(order) if round_ % 2 else order:
             samples[k].append(_timed(fns[k], batches[k], comm))
     return samples
+
+
+def spread(samples: Sequence[float]) -> float:
+    """The samples' range relative to their median: ``(max - min) / median``."""
+    return round((max(samples) - min(samples)) / statistics.median(samples), 3)
