@@ -10,7 +10,7 @@ import os
 import shutil
 import statistics
 import tempfile
-from typing import Callable, List, Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
